@@ -1,0 +1,21 @@
+"""solattn: Sol-Attn and VSA block-sparse attention on every PyTorch device.
+
+    >>> import torch, solattn
+    >>> q = k = v = torch.randn(1, 256, 2, 64)
+    >>> solattn.sol_attn(q, k, v, topk_ratio=0.25).shape
+    torch.Size([1, 256, 2, 64])
+"""
+
+from . import dispatch
+from .backends.reference import ReferenceBackend
+from .dispatch import BackendError, backends, best_device, use_backend
+from .ops import sol_attn
+from .routing import Plan, build_plan
+from .validation import BLOCK, Problem, validate
+
+dispatch.register(ReferenceBackend())
+
+__version__ = "0.1.0"
+
+__all__ = ["sol_attn", "backends", "use_backend", "best_device", "BackendError", "Plan",
+           "build_plan", "Problem", "validate", "BLOCK", "__version__"]

@@ -1,0 +1,147 @@
+"""Backend registry and selection.
+
+Order of precedence: an explicit ``backend=`` argument, then the innermost
+``use_backend(...)`` block, then the ``SOLATTN_BACKEND`` environment variable
+(a preference: if that backend cannot run a call, solattn warns once and falls
+back to the priority list), then the per-device-type priority list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from .backends.base import Backend
+from .validation import Problem
+
+_REGISTRY: Dict[str, Backend] = {}
+
+#: first backend with no reasons wins; names not registered are skipped
+PRIORITY: Dict[str, List[str]] = {
+    "cuda": ["triton", "sdpa", "reference"],
+    "xpu": ["sdpa", "triton", "reference"],
+    "mps": ["sdpa", "reference"],
+    "cpu": ["sdpa", "reference"],
+}
+_DEFAULT_PRIORITY = ["sdpa", "reference"]
+
+_forced: List[str] = []          # stack of use_backend() names
+_warned_env: set = set()
+
+
+class BackendError(RuntimeError):
+    """No backend (or not the requested one) can run a call; the message lists the reasons."""
+
+
+def register(backend: Backend) -> Backend:
+    if not backend.name or backend.name != backend.name.lower() or not backend.name.isalpha():
+        raise ValueError(f"backend names are lowercase words; received {backend.name!r}")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> Backend:
+    """The registered backend called ``name`` (``ValueError`` listing the names otherwise)."""
+    if not isinstance(name, str) or name.lower() not in _REGISTRY:
+        raise ValueError(f"argument 'backend' received {name!r}; allowed: None or one of {sorted(_REGISTRY)}")
+    return _REGISTRY[name.lower()]
+
+
+def registered() -> List[str]:
+    return sorted(_REGISTRY)
+
+
+def priority(device_type: str) -> List[str]:
+    return [n for n in PRIORITY.get(device_type, _DEFAULT_PRIORITY) if n in _REGISTRY]
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[Backend]:
+    """Force backend ``name`` for every ``sol_attn`` call inside the block (raises if it cannot run)."""
+    backend = get_backend(name)
+    _forced.append(backend.name)
+    try:
+        yield backend
+    finally:
+        _forced.pop()
+
+
+def forced_backend() -> Optional[str]:
+    """The innermost ``use_backend`` name, or None."""
+    return _forced[-1] if _forced else None
+
+
+def _reasons_table(problem: Problem, names: List[str]) -> str:
+    lines = []
+    for name in names:
+        reasons = _REGISTRY[name].not_supported_reasons(problem)
+        lines.append(f"  {name}: " + ("can run" if not reasons else "; ".join(reasons)))
+    return "\n".join(lines)
+
+
+def choose(problem: Problem, requested: Optional[str] = None) -> Backend:
+    """Pick the backend for ``problem``; raise :class:`BackendError` with every reason if none fits."""
+    explicit = requested or (_forced[-1] if _forced else None)
+    if explicit:
+        backend = get_backend(explicit)
+        reasons = backend.not_supported_reasons(problem)
+        if reasons:
+            others = [n for n in registered() if n != backend.name
+                      and not _REGISTRY[n].not_supported_reasons(problem)]
+            raise BackendError(
+                f"backend '{backend.name}' cannot run this call ({problem.describe()}): "
+                + "; ".join(reasons)
+                + (f". Backends that can: {', '.join(others)}" if others else ". No other backend can either."))
+        return backend
+
+    order = priority(problem.device.type)
+    env = os.environ.get("SOLATTN_BACKEND", "").strip().lower()
+    if env:
+        preferred = get_backend(env)
+        reasons = preferred.not_supported_reasons(problem)
+        if not reasons:
+            return preferred
+        key = (env, problem.device.type, tuple(reasons))
+        if key not in _warned_env:
+            _warned_env.add(key)
+            warnings.warn(f"SOLATTN_BACKEND={env} cannot run this call ({'; '.join(reasons)}); "
+                          f"falling back to the priority list {order}", RuntimeWarning, stacklevel=3)
+    for name in order:
+        if not _REGISTRY[name].not_supported_reasons(problem):
+            return _REGISTRY[name]
+    raise BackendError(f"no solattn backend can run this call ({problem.describe()}):\n"
+                       + _reasons_table(problem, registered()))
+
+
+def backends(device=None) -> List[dict]:
+    """For each registered backend: can it run on ``device`` (default: the best present) and why not.
+
+    Returns a list of ``{"name", "available", "reasons", "priority", "description"}`` dicts,
+    in the device's priority order first, then the rest.
+    """
+    dev = torch.device(device) if device is not None else best_device()
+    order = priority(dev.type)
+    names = order + [n for n in registered() if n not in order]
+    out = []
+    for name in names:
+        b = _REGISTRY[name]
+        reasons = b.availability_reasons(dev.type)
+        out.append({"name": name, "available": not reasons, "reasons": reasons,
+                    "priority": order.index(name) if name in order else None,
+                    "description": b.description})
+    return out
+
+
+def best_device() -> torch.device:
+    """cuda > xpu > mps > cpu: the first present."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")

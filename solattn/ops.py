@@ -1,0 +1,130 @@
+"""The public ``sol_attn`` operator, registered as the ``torch.library`` custom op ``solattn::sol_attn``.
+
+The Python wrapper validates (metadata only, so it also runs while
+``torch.compile`` traces with fake tensors) and calls the custom op; the op
+builds the plan, dispatches and runs the backend. The fake implementation
+makes ``torch.compile(fullgraph=True)`` and ``torch.export`` see one node.
+
+Autograd: the backward pass recomputes the forward with autograd enabled
+through a differentiable backend (the one that ran the forward when it
+supports autograd, else the first one in the device's priority that does)
+and differentiates that; the selection is treated as constant.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import dispatch
+from .routing import build_plan
+from .validation import Problem, validate
+
+Tensor = torch.Tensor
+
+
+def _as_list(rng) -> Optional[List[int]]:
+    if rng is None:
+        return None
+    if isinstance(rng, torch.Tensor):
+        rng = rng.tolist()
+    return [int(x) for x in rng]
+
+
+def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
+    """Dispatch and run a validated problem (no custom op, autograd as the backend allows)."""
+    chosen = dispatch.choose(problem, backend)
+    plan = build_plan(problem) if chosen.uses_plan else None
+    return chosen.forward(problem, plan)
+
+
+def _grad_backend(problem: Problem, requested: Optional[str]) -> str:
+    """The backend the backward pass recomputes through: the requested one if it supports
+    autograd, else the first in the device's priority that can differentiate this call."""
+    requested = requested or dispatch.forced_backend()
+    if requested and "autograd" in dispatch.get_backend(requested).features:
+        return requested
+    for name in dispatch.priority(problem.device.type):
+        if not dispatch.get_backend(name).not_supported_reasons(problem):
+            return name
+    raise dispatch.BackendError(f"no backend can differentiate this call ({problem.describe()})")
+
+
+@torch.library.custom_op("solattn::sol_attn", mutates_args=())
+def _sol_attn_op(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],
+                 sink_blocks: Optional[List[int]], sink_q: Optional[List[int]],
+                 key_bias: Optional[Tensor], topk_ratio: float, tail: bool,
+                 block_len: Optional[Tensor], coarse_gate: Optional[Tensor], token_aug: int,
+                 backend: str) -> Tensor:
+    problem = validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
+                       block_len, coarse_gate, token_aug)
+    with torch.no_grad():  # the forward never records autograd; _backward recomputes
+        return run_problem(problem, backend or None)
+
+
+@_sol_attn_op.register_fake
+def _(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
+      coarse_gate, token_aug, backend):
+    return torch.empty(q.shape, dtype=v.dtype, device=v.device)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate, \
+        token_aug, backend = inputs
+    ctx.save_for_backward(q, k, v, key_bias, block_len, coarse_gate)
+    ctx.args = (tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend)
+
+
+def _backward(ctx, grad_out):
+    q, k, v, key_bias, block_len, coarse_gate = ctx.saved_tensors
+    tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend = ctx.args
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) if t is not None else None
+                  for t in (q, k, v, coarse_gate)]
+        qd, kd, vd, gd = leaves
+        problem = validate(qd, kd, vd, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
+                           block_len, gd, token_aug)
+        out = run_problem(problem, _grad_backend(problem, backend or None))
+        wanted = [t for t in leaves if t is not None]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+    gq, gk, gv, gg = [next(grads) if t is not None else None for t in leaves]
+    return gq, gk, gv, None, None, None, None, None, None, None, None, gg, None, None
+
+
+_sol_attn_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[float] = None,
+             sink_blocks: Optional[Sequence[int]] = None, sink_q: Optional[Sequence[int]] = None,
+             key_bias: Optional[Tensor] = None, topk_ratio: float = 0.0, tail: bool = True,
+             block_len: Optional[Tensor] = None, coarse_gate: Optional[Tensor] = None,
+             token_aug: int = 0, *, backend: Optional[str] = None) -> Tensor:
+    """Block-sparse Sol-Attn (``../shared/SPEC.md``): exact attention on routed 64-token key
+    blocks, a pooled term for the rest, and an optional gated coarse branch.
+
+    Args:
+        q, k, v: ``(B, T, H, D)`` bf16 / fp16 / fp32 tensors of one shape, dtype and device; any strides.
+        tau: routing threshold in sigmas (tau mode, ``topk_ratio == 0``).
+        scale: logit scale, default ``D ** -0.5``.
+        sink_blocks: ``[start, end)`` key blocks every query attends exactly.
+        sink_q: ``[start, end)`` query blocks that attend every key exactly.
+        key_bias: additive per-key bias ``(T,)``, ``(B, T)``, ``(1, T)`` or ``(B|1, 1, 1, T)``, float or
+            bool (True = keep); exact branch only.
+        topk_ratio: 0 for tau mode, else the fraction ``0 < r < 1`` of key blocks kept by score.
+        tail: add the pooled term of the non-routed blocks.
+        block_len: ``(ceil(T/64),)`` int32 live rows at the front of each block.
+        coarse_gate: tensor of q's shape; adds ``gate * softmax(qm km^T) vm`` per block.
+        token_aug: accepted for comfy-kitchen compatibility (0, 64, 128, 192 or 256); no effect.
+        backend: force a backend by name (see :func:`solattn.backends`); keyword only.
+
+    Returns:
+        ``(B, T, H, D)`` contiguous tensor in v's dtype.
+    """
+    validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
+             coarse_gate, token_aug)
+    if backend is not None:
+        dispatch.get_backend(backend)
+    return _sol_attn_op(q, k, v, float(tau), None if scale is None else float(scale),
+                        _as_list(sink_blocks), _as_list(sink_q), key_bias, float(topk_ratio),
+                        bool(tail), block_len, coarse_gate, int(token_aug), backend or "")

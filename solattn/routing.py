@@ -1,0 +1,233 @@
+"""The routing plan: pooled statistics and block selection, computed once per call.
+
+Everything here works at block granularity: block means are ``(B, H, n, D)``,
+routing scores ``(B, H, n, n)``. Nothing of size ``T x n`` or ``T x T`` is
+formed. Backends that consume a :class:`Plan` (``sdpa``, ``triton``) never
+re-derive selection; the ``reference`` backend does not import this module.
+
+The selection is computed without gradients (it is piecewise constant); the
+tail and coarse terms keep their autograd graph so that gradients of q, k, v
+flow through them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .validation import BLOCK, Problem
+
+TOPK_METHODS = ("topk", "sort")
+
+#: fp32 bytes of one block-mean chunk; bounds the upcast copy made while pooling
+_POOL_CHUNK_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class BlockStats:
+    """fp32 block means over live rows, ``(B, H, n, D)``, and the key centroid ``m`` ``(B, H, 1, D)``."""
+
+    qm: torch.Tensor
+    km: torch.Tensor
+    vm: torch.Tensor
+    m: torch.Tensor
+    L: torch.Tensor  # (n,) int32 live rows per block
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Which key blocks each query block attends exactly, plus what the tail and coarse branch need.
+
+    - ``kv_num_blocks``: ``(B, H, n)`` int32, number of exact key blocks per query block.
+    - ``kv_indices``: ``(B, H, n, M)`` int32, the exact key blocks in ascending order in the first
+      ``kv_num_blocks`` entries, then 0 (padding). ``M`` is the largest count. This is the form
+      FlexAttention's ``BlockMask.from_kv_blocks`` and block-index kernels consume.
+    - ``exact``: ``(B, H, n, n)`` bool, the same selection as a dense block mask.
+    - ``block_len``: ``(n,)`` int32 live rows per block (``L_j``).
+    - ``key_mean``: ``(B, H, 1, D)`` fp32 centroid ``m`` of the key block means; exact keys are ``k - m``.
+    - ``tail_lse``: ``(B, H, n)`` fp32 ``log sum_{j not in E_i} L_j exp(p_ij)`` (``-inf`` when the tail
+      is empty) or ``None`` when ``tail=False``.
+    - ``tail_value``: ``(B, H, n, D)`` fp32 weighted mean of ``vm_j`` over that tail, or ``None``.
+    - ``coarse``: ``(B, H, n, D)`` fp32 ``sum_j softmax_j(scale qm_i . km_j) vm_j``, or ``None``.
+    """
+
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    exact: torch.Tensor
+    block_len: torch.Tensor
+    key_mean: torch.Tensor
+    tail_lse: Optional[torch.Tensor]
+    tail_value: Optional[torch.Tensor]
+    coarse: Optional[torch.Tensor]
+
+    @property
+    def n(self) -> int:
+        return self.exact.shape[-1]
+
+    @property
+    def kept_fraction(self) -> float:
+        """Fraction of (query block, key block) pairs attended exactly."""
+        return float(self.kv_num_blocks.double().mean().item()) / self.n
+
+
+def live_lengths(problem: Problem) -> torch.Tensor:
+    """``L_j`` (SPEC.md, "Blocks") as an ``(n,)`` int32 tensor on the problem's device."""
+    n, T = problem.n, problem.T
+    if problem.block_len is None:
+        L = torch.full((n,), BLOCK, dtype=torch.int32, device=problem.device)
+    else:
+        L = problem.block_len.clamp(1, BLOCK).to(torch.int32)
+    last = torch.full((1,), T - BLOCK * (n - 1), dtype=torch.int32, device=problem.device)
+    return torch.cat([L[:-1], torch.minimum(L[-1:], last)])
+
+
+def live_token_mask(L: torch.Tensor) -> torch.Tensor:
+    """``(n, 64)`` bool: row ``r`` of block ``j`` is live when ``r < L_j``."""
+    return torch.arange(BLOCK, device=L.device)[None, :] < L[:, None]
+
+
+def block_means(x: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+    """Mean over the live rows of each 64-token block.
+
+    ``x``: ``(B, T, H, D)`` any float dtype and strides; ``L``: ``(n,)`` int32.
+    Returns ``(B, H, n, D)`` fp32. Upcasts at most ``_POOL_CHUNK_BYTES`` at a time.
+    """
+    B, T, H, D = x.shape
+    n = L.shape[0]
+    live = live_token_mask(L).to(torch.float32) / L.to(torch.float32)[:, None]  # (n, 64) weights
+    per_block = B * BLOCK * H * D * 4
+    step = max(1, _POOL_CHUNK_BYTES // per_block)
+    parts = []
+    for b0 in range(0, n, step):
+        b1 = min(n, b0 + step)
+        xs = x[:, b0 * BLOCK:min(b1 * BLOCK, T)].to(torch.float32)
+        pad = (b1 - b0) * BLOCK - xs.shape[1]
+        if pad:
+            xs = torch.nn.functional.pad(xs, (0, 0, 0, 0, 0, pad))
+        xs = xs.view(B, b1 - b0, BLOCK, H, D)
+        parts.append(torch.einsum("bjrhd,jr->bhjd", xs, live[b0:b1]))
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
+def block_stats(problem: Problem) -> BlockStats:
+    L = live_lengths(problem)
+    qm = block_means(problem.q, L)
+    km = block_means(problem.k, L)
+    vm = block_means(problem.v, L)
+    return BlockStats(qm=qm, km=km, vm=vm, m=km.mean(dim=2, keepdim=True), L=L)
+
+
+def default_topk_method(device: torch.device, n: int) -> str:
+    """How to find the k-th largest routing score on this device.
+
+    ``torch.topk`` is reported to crash on XPU (torch 2.13) above 2048 elements in
+    bf16/fp32 and to fail above 4096 fp32 elements elsewhere, so XPU and rows
+    longer than 4096 blocks use a full sort (exact, same result). The environment
+    variable ``SOLATTN_TOPK=topk|sort`` overrides the choice.
+    """
+    env = os.environ.get("SOLATTN_TOPK", "").strip().lower()
+    if env:
+        if env not in TOPK_METHODS:
+            raise ValueError(f"SOLATTN_TOPK received {env!r}; allowed: one of {TOPK_METHODS}")
+        return env
+    if device.type == "xpu" or n > 4096:
+        return "sort"
+    return "topk"
+
+
+def kth_largest(scores: torch.Tensor, kk: int, method: str) -> torch.Tensor:
+    """The ``kk``-th largest value along the last dim (``kk >= 1``), by ``torch.topk`` or by a sort."""
+    if method == "topk":
+        return scores.topk(kk, dim=-1).values[..., kk - 1]
+    if method == "sort":
+        return scores.sort(dim=-1, descending=True).values[..., kk - 1]
+    raise ValueError(f"kth_largest: argument 'method' received {method!r}; allowed: one of {TOPK_METHODS}")
+
+
+def topk_count(topk_ratio: float, n_eff: int) -> int:
+    """SPEC.md's ``kk``: 0 when ``n_eff <= 1``, else ``clamp(round(r n_eff), 1, n_eff - 1)``."""
+    if n_eff <= 1:
+        return 0
+    return min(max(round(topk_ratio * n_eff), 1), n_eff - 1)
+
+
+def sink_mask(rng, n: int, device) -> torch.Tensor:
+    """``(n,)`` bool, True inside the clipped ``[start, end)`` range (all False for ``None``)."""
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    if rng is not None:
+        mask[rng[0]:rng[1]] = True
+    return mask
+
+
+@torch.no_grad()
+def select_exact(problem: Problem, stats: BlockStats, topk_method: Optional[str] = None) -> torch.Tensor:
+    """The sets ``E_i`` of SPEC.md as a ``(B, H, n, n)`` bool mask (tau or top-k, plus forced blocks)."""
+    n, dev = problem.n, problem.device
+    c = problem.scale * math.log2(math.e)
+    kmc = stats.km - stats.m
+    R = c * (stats.qm @ kmc.transpose(-1, -2))
+    if problem.topk_ratio == 0.0:
+        var = kmc.pow(2).mean(dim=2)  # population variance over blocks, (B, H, D)
+        thr = problem.tau * torch.sqrt(c * c * (stats.qm.pow(2) * var[:, :, None, :]).sum(-1) + 1e-6)
+        exact = R > thr[..., None]
+    else:
+        sinks = sink_mask(problem.sink_blocks, n, dev)
+        kk = topk_count(problem.topk_ratio, n - int(sinks.sum().item()))
+        if kk > 0:
+            cand = R.masked_fill(sinks, -math.inf)
+            theta = kth_largest(cand, kk, topk_method or default_topk_method(dev, n))
+            exact = (cand >= theta[..., None]) & ~sinks
+        else:
+            exact = torch.zeros_like(R, dtype=torch.bool)
+    return exact | forced_blocks(problem, n, dev)
+
+
+def forced_blocks(problem: Problem, n: int, device) -> torch.Tensor:
+    """``(n, n)`` bool: neighbours ``|i - j| <= 1``, sink key blocks, and every key for sink_q rows."""
+    ii = torch.arange(n, device=device)
+    forced = (ii[:, None] - ii[None, :]).abs() <= 1
+    forced |= sink_mask(problem.sink_blocks, n, device)[None, :]
+    forced |= sink_mask(problem.sink_q, n, device)[:, None]
+    return forced
+
+
+def indices_from_mask(exact: torch.Tensor):
+    """Dense ``(..., n)`` bool block mask -> ``(kv_num_blocks, kv_indices)`` int32, ascending, 0-padded."""
+    n = exact.shape[-1]
+    counts = exact.sum(dim=-1, dtype=torch.int32)
+    M = max(1, int(counts.max().item())) if counts.numel() else 1
+    ar = torch.arange(n, device=exact.device, dtype=torch.int32)
+    keyed = torch.where(exact, ar, ar + n)  # selected blocks sort first, in ascending order
+    idx = keyed.sort(dim=-1).values[..., :M]
+    idx = torch.where(idx < n, idx, torch.zeros_like(idx))
+    return counts, idx.to(torch.int32).contiguous()
+
+
+def make_plan(problem: Problem, stats: BlockStats, exact: torch.Tensor, tail: bool,
+              coarse: bool) -> Plan:
+    """Assemble a :class:`Plan` from a selection; shared by ``sol_attn`` and the VSA entry point."""
+    kv_num_blocks, kv_indices = indices_from_mask(exact)
+    tail_lse = tail_value = coarse_out = None
+    if tail:
+        kmc = stats.km - stats.m
+        logw = problem.scale * (stats.qm @ kmc.transpose(-1, -2)) + torch.log(stats.L.to(torch.float32))
+        logw = logw.masked_fill(exact, -math.inf)
+        tail_lse = torch.logsumexp(logw, dim=-1)                       # (B, H, n)
+        safe = torch.where(torch.isneginf(tail_lse), torch.zeros_like(tail_lse), tail_lse)
+        tail_value = torch.exp(logw - safe[..., None]) @ stats.vm      # (B, H, n, D); 0 for empty tails
+    if coarse:
+        a = torch.softmax(problem.scale * (stats.qm @ stats.km.transpose(-1, -2)), dim=-1)
+        coarse_out = a @ stats.vm
+    return Plan(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices, exact=exact, block_len=stats.L,
+                key_mean=stats.m, tail_lse=tail_lse, tail_value=tail_value, coarse=coarse_out)
+
+
+def build_plan(problem: Problem, topk_method: Optional[str] = None) -> Plan:
+    """The routing plan of a ``sol_attn`` call (SPEC.md, "The routing plan")."""
+    stats = block_stats(problem)
+    exact = select_exact(problem, stats, topk_method)
+    return make_plan(problem, stats, exact, tail=problem.tail, coarse=problem.coarse_gate is not None)
