@@ -8,12 +8,14 @@
 
 from . import dispatch
 from .backends.reference import ReferenceBackend
+from .backends.sdpa import SdpaBackend
 from .dispatch import BackendError, backends, best_device, use_backend
 from .ops import sol_attn
 from .routing import Plan, build_plan
 from .validation import BLOCK, Problem, validate
 
 dispatch.register(ReferenceBackend())
+dispatch.register(SdpaBackend())
 
 __version__ = "0.1.0"
 

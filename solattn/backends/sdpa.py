@@ -1,0 +1,219 @@
+"""The ``sdpa`` (portable) backend: gather the kept key blocks, let the device's SDPA do the arithmetic.
+
+For a chunk of query blocks that keep the same number ``c`` of key blocks,
+the kept keys and values are gathered into contiguous ``(rows, c * 64, D)``
+tensors and handed to ``F.scaled_dot_product_attention`` (oneDNN on XPU,
+flash on CPU and CUDA, Metal on MPS). Grouping query blocks by their count
+means no padding and, when nothing needs masking, no mask at all, so the
+device's fastest kernel runs.
+
+- Gathers read rows straight out of the caller's tensors through a strided
+  ``(rows, D)`` view of their storage: no layout copy of q, k or v is made for
+  any input whose last dim is contiguous (BTHD, BHTD-transposed, sliced).
+- The pooled tail enters the same SDPA call as one extra key per query block:
+  a zero key (exact keys are centred, ``k - m``) whose mask entry is
+  ``tail_lse`` and whose value is ``tail_value`` (SPEC.md, DESIGN.md).
+- ``block_len``, ragged last blocks and ``key_bias`` become an additive key
+  mask broadcast over the query rows.
+- Working memory (gathers, masks, SDPA scratch) is bounded by sizing the chunk
+  of query blocks from a byte budget; nothing of size T x T or T x n exists.
+- Every op is a differentiable torch op, so autograd flows through q, k, v
+  and coarse_gate with the selection held constant.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..routing import Plan
+from ..validation import BLOCK, Problem
+from .base import ALL_FEATURES, Backend
+
+_DEFAULT_BUDGET = int(os.environ.get("SOLATTN_SDPA_BUDGET", 1 << 30))
+_budget = _DEFAULT_BUDGET
+
+
+def set_memory_budget(nbytes: Optional[int]) -> None:
+    """Set the portable backend's working-memory budget in bytes (``None`` restores 1 GiB or
+    ``SOLATTN_SDPA_BUDGET``). The budget covers gathered keys/values, masks and SDPA scratch;
+    inputs and output are not counted."""
+    global _budget
+    if nbytes is None:
+        _budget = _DEFAULT_BUDGET
+        return
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"set_memory_budget: argument 'nbytes' received {nbytes!r}; "
+                         "allowed: a positive int (bytes) or None")
+    _budget = nbytes
+
+
+def memory_budget() -> int:
+    return _budget
+
+
+def _new_output(shape, dtype, device) -> torch.Tensor:
+    """The output buffer every element of which the backend writes (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _row_table(x: torch.Tensor):
+    """A ``(rows, D)`` view of x's storage in which token ``(b, t, h)`` is row
+    ``(b * sB + t * sT + h * sH) // g``; returns ``(table, (sB, sT, sH) // g)``.
+
+    Needs a unit stride on D; other tensors are made contiguous first (one copy).
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    sB, sT, sH, _ = x.stride()
+    B, T, H, D = x.shape
+    g = 0
+    for s, size in ((sB, B), (sT, T), (sH, H)):
+        if size > 1:
+            g = math.gcd(g, s)
+    g = g or D
+    if g < D:  # rows would overlap (exotic strides): use a plain layout
+        x = x.contiguous()
+        sB, sT, sH, _ = x.stride()
+        g = D
+    rows = ((B - 1) * sB + (T - 1) * sT + (H - 1) * sH) // g + 1
+    table = torch.as_strided(x, (rows, D), (g, 1), x.storage_offset())
+    return table, (sB // g, sT // g, sH // g)
+
+
+def _mask_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """Additive masks in fp32 where the device's SDPA accepts them (bias precision), else q's dtype."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
+class SdpaBackend(Backend):
+    name = "sdpa"
+    description = ("portable: gathers kept key blocks, runs F.scaled_dot_product_attention "
+                   "(oneDNN on XPU, flash on CPU/CUDA, Metal on MPS); memory bounded by a budget")
+    devices = frozenset({"cpu", "cuda", "xpu", "mps"})
+    features = ALL_FEATURES
+
+    def availability_reasons(self, device_type: str) -> List[str]:
+        reasons = super().availability_reasons(device_type)
+        if not reasons and not hasattr(F, "scaled_dot_product_attention"):
+            reasons.append("torch.nn.functional.scaled_dot_product_attention missing (torch too old)")
+        return reasons
+
+    def forward(self, problem: Problem, plan: Plan) -> torch.Tensor:
+        return sdpa_forward(problem, plan)
+
+
+def _key_token_bias(p: Problem, plan: Plan) -> Optional[torch.Tensor]:
+    """``(Bk, n, 64)`` fp32 additive bias per key slot (key_bias, -inf on dead and padded rows),
+    or None when no key is ever masked."""
+    n, T = p.n, p.T
+    dead = p.block_len is not None or T % BLOCK != 0
+    if p.key_bias is None and not dead:
+        return None
+    live = torch.arange(BLOCK, device=p.device)[None, :] < plan.block_len[:, None]  # (n, 64)
+    bias = torch.zeros(p.key_bias.shape[0] if p.key_bias is not None else 1, n * BLOCK,
+                       dtype=torch.float32, device=p.device)
+    if p.key_bias is not None:
+        bias[:, :T] = p.key_bias
+    bias = bias.view(-1, n, BLOCK)
+    return bias.masked_fill(~live, -math.inf)
+
+
+def sdpa_forward(p: Problem, plan: Plan, budget: Optional[int] = None) -> torch.Tensor:
+    """Run SPEC.md's output for ``p`` from ``plan`` through SDPA. ``(B, T, H, D)``, v's dtype."""
+    B, T, H, D, n = p.B, p.T, p.H, p.D, p.n
+    dev, dt = p.device, p.dtype
+    budget = budget or _budget
+    qt, (qsB, qsT, qsH) = _row_table(p.q)
+    kt, (ksB, ksT, ksH) = _row_table(p.k)
+    vt, (vsB, vsT, vsH) = _row_table(p.v)
+
+    out = _new_output((B * T * H + 1, D), dt, dev)   # last row: sink for rows past T
+    kbias = _key_token_bias(p, plan)
+    tail = plan.tail_lse is not None
+    masked = kbias is not None or tail
+    mdt = _mask_dtype(dev, dt)
+    elt = torch.finfo(dt).bits // 8
+    centre = plan.key_mean.to(dt) if tail else None   # (B, H, 1, D)
+
+    slots = torch.arange(BLOCK, device=dev)
+    counts = plan.kv_num_blocks.reshape(-1)             # (R,), R = B * H * n
+    indices = plan.kv_indices.reshape(counts.shape[0], -1)
+    for c in torch.unique(counts).tolist():
+        rows_all = torch.nonzero(counts == c).squeeze(1)
+        L = c * BLOCK + (1 if tail else 0)              # keys per query block in this group
+        per_row = (2 * L * D * elt                      # gathered keys and values
+                   + 3 * BLOCK * D * 4                  # queries, output, SDPA accumulators
+                   + (L * 4 if masked else 0)           # mask
+                   + L * 8 * 2                          # gather indices
+                   + BLOCK * L * 4)                     # scores of a math fallback
+        step = max(1, budget // per_row)
+        for r0 in range(0, rows_all.shape[0], step):
+            rows = rows_all[r0:r0 + step]
+            out_rows = _attend_rows(p, plan, rows, indices[rows, :c], L, tail, kbias, masked, mdt,
+                                    centre, qt, kt, vt, (qsB, qsT, qsH), (ksB, ksT, ksH),
+                                    (vsB, vsT, vsH), slots)
+            # destination rows in the (B, T, H, D) output; rows past T go to the sink row
+            b, h, i = rows // (H * n), (rows // n) % H, rows % n
+            t = i[:, None] * BLOCK + slots[None, :]
+            dst = torch.where(t < T, (b[:, None] * T + t) * H + h[:, None], B * T * H)
+            out.index_copy_(0, dst.reshape(-1), out_rows.reshape(-1, D))
+
+    out = out[:-1].view(B, T, H, D)
+    if plan.coarse is not None and p.coarse_gate is not None:
+        out = _add_coarse(out, p.coarse_gate, plan.coarse, budget)
+    return out
+
+
+def _attend_rows(p, plan, rows, kv_idx, L, tail, kbias, masked, mdt, centre, qt, kt, vt,
+                 qs, ks, vs, slots):
+    """SDPA for query-block rows ``rows`` (flat ``(b, h, i)`` ids) sharing one key count."""
+    H, n, T, D = p.H, p.n, p.T, p.D
+    b, h, i = rows // (H * n), (rows // n) % H, rows % n
+    nr = rows.shape[0]
+    # query rows: tokens i*64 + r (clamped into the sequence; rows past T are dropped later)
+    tq = (i[:, None] * BLOCK + slots[None, :]).clamp_max(T - 1)
+    q = qt[b[:, None] * qs[0] + tq * qs[1] + h[:, None] * qs[2]]                 # (nr, 64, D)
+    # key tokens of the kept blocks, ascending
+    tk = (kv_idx.long()[:, :, None] * BLOCK + slots).reshape(nr, -1).clamp_max(T - 1)
+    k = kt[b[:, None] * ks[0] + tk * ks[1] + h[:, None] * ks[2]]                 # (nr, c*64, D)
+    v = vt[b[:, None] * vs[0] + tk * vs[1] + h[:, None] * vs[2]]
+    mask = None
+    if masked:
+        if kbias is not None:
+            kb = kbias[b if kbias.shape[0] > 1 else torch.zeros_like(b)]         # (nr, n, 64)
+            mask = torch.gather(kb, 1, kv_idx.long()[:, :, None].expand(-1, -1, BLOCK)).reshape(nr, -1)
+        else:
+            mask = torch.zeros(nr, tk.shape[1], dtype=torch.float32, device=p.device)
+        if tail:
+            bh = rows // n
+            tail_lse = plan.tail_lse.reshape(-1)[rows]
+            mask = torch.cat([mask, tail_lse[:, None]], dim=1)
+            cb = centre.reshape(-1, 1, D)[bh]                                       # (nr, 1, D)
+            k = torch.cat([k - cb, torch.zeros_like(cb)], dim=1)
+            tv = plan.tail_value.reshape(-1, D)[rows].to(p.dtype)[:, None, :]
+            v = torch.cat([v, tv], dim=1)
+    attn_mask = mask.to(mdt)[:, None, None, :] if mask is not None else None
+    o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=attn_mask,
+                                       scale=p.scale)[:, 0]                        # (nr, 64, D)
+    if mask is not None:
+        dead = torch.isneginf(mask).all(dim=1)           # every term -inf: SPEC says 0, not NaN
+        if bool(dead.any()):
+            o = torch.where(dead[:, None, None], torch.zeros_like(o), o)
+    return o
+
+
+def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, budget: int) -> torch.Tensor:
+    """``out += (gate * coarse_of_block).to(dtype)`` in place, token chunk by token chunk (bounded memory)."""
+    B, T, H, D = out.shape
+    step = max(BLOCK, (budget // max(1, B * H * D * 12)) // BLOCK * BLOCK)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        blocks = torch.arange(t0, t1, device=out.device) // BLOCK
+        c = coarse[:, :, blocks].permute(0, 2, 1, 3)                 # (B, t1-t0, H, D) fp32
+        out[:, t0:t1] += (gate[:, t0:t1].to(torch.float32) * c).to(out.dtype)
+    return out
