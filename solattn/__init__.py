@@ -15,6 +15,12 @@ from .routing import Plan, build_plan
 from .validation import BLOCK, Problem, validate
 
 dispatch.register(ReferenceBackend())
+try:  # the triton backend imports Triton lazily; it reports "triton not installed" as a reason
+    from .backends.triton import TritonBackend
+except ImportError:  # pragma: no cover - only if the package itself is broken
+    TritonBackend = None
+else:
+    dispatch.register(TritonBackend())
 dispatch.register(SdpaBackend())
 
 __version__ = "0.1.0"

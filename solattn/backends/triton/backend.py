@@ -1,0 +1,162 @@
+"""The ``triton`` backend: launcher for the fused block-index kernel (``kernel.py``).
+
+Importing this module never imports Triton; the kernel module is loaded on the
+first forward call, and a missing Triton is reported as a reason instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from ...validation import BLOCK, Problem
+from ..base import ALL_FEATURES, Backend
+
+#: environment variable that opts in to running the kernel on Intel XPUs
+XPU_OPT_IN = "SOLATTN_TRITON_XPU"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters: key blocks per loop step (64 keys each), warps, pipeline depth."""
+
+    kv_per_iter: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+#: chosen per head dim from the H200 sweep (benchmarks/notes_triton.md)
+DEFAULT_CONFIGS = {
+    16: KernelConfig(1, 4, 3),
+    32: KernelConfig(1, 4, 3),
+    64: KernelConfig(1, 4, 3),
+    128: KernelConfig(1, 4, 3),
+}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _plan_tensor(t: Optional[torch.Tensor], dtype: torch.dtype, fallback: torch.Tensor) -> torch.Tensor:
+    """A plan field as a contiguous tensor of ``dtype`` (a dummy pointer when the field is unused)."""
+    if t is None:
+        return fallback
+    return t.detach().to(dtype).contiguous()
+
+
+def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run the kernel on ``problem`` with the selection in ``plan``; returns ``(B, T, H, D)`` contiguous.
+
+    ``out``, when given, must be a contiguous ``(B, T, H, D)`` tensor of v's dtype on q's
+    device; the kernel writes every element of it (tests poison it first).
+    """
+    from . import kernel  # imports triton
+
+    q, k, v = problem.q, problem.k, problem.v
+    B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
+    cfg = config or DEFAULT_CONFIGS.get(D, KernelConfig())
+    if out is None:
+        out = torch.empty((B, T, H, D), dtype=v.dtype, device=v.device)
+    elif out.shape != (B, T, H, D) or out.dtype != v.dtype or out.device != v.device or not out.is_contiguous():
+        raise ValueError(f"triton backend: argument 'out' received shape {tuple(out.shape)}, dtype {out.dtype}, "
+                         f"device {out.device}; allowed: a contiguous {(B, T, H, D)} tensor of {v.dtype} on {v.device}")
+
+    f32 = torch.float32
+    kv_num = plan.kv_num_blocks.to(torch.int32).contiguous()
+    kv_idx = plan.kv_indices.to(torch.int32).contiguous()
+    max_blocks = kv_idx.shape[-1]
+    block_len = plan.block_len.to(torch.int32).contiguous()
+    key_mean = plan.key_mean.detach().to(f32).contiguous()
+    has_tail = problem.tail and plan.tail_lse is not None
+    has_coarse = problem.coarse_gate is not None
+    has_bias = problem.key_bias is not None
+    tail_lse = _plan_tensor(plan.tail_lse if has_tail else None, f32, key_mean)
+    tail_value = _plan_tensor(plan.tail_value if has_tail else None, f32, key_mean)
+    coarse = _plan_tensor(plan.coarse if has_coarse else None, f32, key_mean)
+    if has_coarse and coarse.shape != (B, H, n, D):
+        raise RuntimeError(f"triton backend: plan.coarse has shape {tuple(coarse.shape)}, expected {(B, H, n, D)}")
+    gate = problem.coarse_gate if has_coarse else q
+    if has_bias:
+        key_bias = problem.key_bias.to(f32).contiguous()
+        bias_stride_b = key_bias.stride(0) if key_bias.shape[0] > 1 else 0
+    else:
+        key_bias, bias_stride_b = key_mean, 0
+
+    interpret = _interpreting() or q.device.type == "cpu"
+    fn = kernel.compiled(interpret)
+    grid = (n, B * H)
+    fn[grid](
+        q, k, v, out, gate,
+        kv_num, kv_idx, block_len, key_mean, tail_lse, tail_value, coarse, key_bias,
+        *q.stride(), *k.stride(), *v.stride(), *gate.stride(),
+        bias_stride_b,
+        T, H, n, max_blocks,
+        problem.scale * kernel.LOG2E,
+        HEAD_DIM=D, BLOCK=BLOCK, KV_PER_ITER=cfg.kv_per_iter,
+        HAS_TAIL=has_tail, HAS_BIAS=has_bias, HAS_COARSE=has_coarse,
+        DOT_IN_F32=interpret and q.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    description = ("fused Triton kernel walking the plan's kv_indices with an online softmax "
+                   "(tail and coarse branch folded in); forward only")
+    devices = frozenset({"cuda", "xpu", "cpu"})
+    dtypes = frozenset({torch.bfloat16, torch.float16})
+    head_dims = frozenset({16, 32, 64, 128})
+    features = ALL_FEATURES - {"autograd"}
+    uses_plan = True
+
+    def availability_reasons(self, device_type: str) -> List[str]:
+        if device_type not in self.devices:
+            return [f"device type '{device_type}' not supported (supports cuda; xpu with "
+                    f"{XPU_OPT_IN}=1; cpu only under TRITON_INTERPRET=1)"]
+        if not _triton_installed():
+            return ["triton not installed (pip install triton)"]
+        if device_type == "cpu" and not _interpreting():
+            return ["on cpu the kernel runs only in Triton's interpreter, for tests "
+                    "(set TRITON_INTERPRET=1); use the sdpa backend on cpu"]
+        if device_type == "xpu" and os.environ.get(XPU_OPT_IN, "0") != "1":
+            return [f"not yet run on real Intel hardware, so xpu needs an explicit opt-in: set {XPU_OPT_IN}=1"]
+        if device_type == "cuda":
+            if not torch.cuda.is_available():
+                return ["no CUDA device available"]
+            major, minor = torch.cuda.get_device_capability()
+            if major < 8:
+                return [f"needs a GPU of compute capability 8.0 or newer (sm_80+); "
+                        f"this one is {major}.{minor}"]
+        return []
+
+    def not_supported_reasons(self, problem: Problem) -> List[str]:
+        reasons = super().not_supported_reasons(problem)
+        if problem.dtype == torch.float32:
+            reasons = [r for r in reasons if not r.startswith("dtype")]
+            reasons.append("dtype float32 not supported: the kernel runs bf16/fp16 tensor-core "
+                           "products (use the sdpa or reference backend for fp32)")
+        if problem.device.type == "cuda" and torch.cuda.is_available() and not reasons:
+            major, _ = torch.cuda.get_device_capability(problem.device)
+            if major < 8:
+                reasons.append(f"needs compute capability 8.0 or newer on {problem.device}")
+        return reasons
+
+    def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None) -> torch.Tensor:
+        if plan is None:
+            raise ValueError("triton backend: forward needs the routing plan (solattn.build_plan(problem))")
+        with torch.no_grad():
+            if problem.device.type == "cuda":
+                with torch.cuda.device(problem.device):
+                    return launch(problem, plan, config)
+            return launch(problem, plan, config)

@@ -1,0 +1,248 @@
+"""The ``triton`` backend's kernel, run by Triton's CPU interpreter, against the reference.
+
+The interpreter runs the very kernel source the GPU compiles (one difference: under
+the interpreter bf16 products are taken in fp32, because the interpreter's ``tl.dot``
+multiplies bf16 bit patterns as integers; the GPU path is unchanged). Problems are
+tiny (T <= 300, H <= 2, D = 64) so the whole file runs in seconds.
+
+Selection: inputs are fresh Gaussians from fixed seeds; the routing scores of such
+inputs sit far (>> fp32 rounding) from every threshold, and ``_assert_selection_clear``
+checks that before comparing, so the plan and the reference select the same blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import solattn  # noqa: E402
+from solattn import build_plan, validate  # noqa: E402
+from solattn.backends.reference import reference_forward  # noqa: E402
+from solattn.backends.triton import KernelConfig, TritonBackend, launch  # noqa: E402
+from solattn.routing import block_stats, sink_mask, topk_count  # noqa: E402
+
+BACKEND = TritonBackend()
+TOL = 1.5e-2  # relative L2 for bf16 / fp16 outputs
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    """Run the kernel in Triton's interpreter (only inside this module's tests)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+def _rand(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+
+
+def _qkv(B, T, H, D=64, dtype=torch.bfloat16, seed=0):
+    return tuple(_rand((B, T, H, D), dtype, seed + i) for i in range(3))
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _assert_selection_clear(problem, margin=1e-6):
+    """No routing score within ``margin`` of its threshold (so rounding cannot flip a block)."""
+    stats = block_stats(problem)
+    c = problem.scale * math.log2(math.e)
+    kmc = stats.km - stats.m
+    R = c * (stats.qm @ kmc.transpose(-1, -2))
+    if problem.topk_ratio == 0.0:
+        var = kmc.pow(2).mean(dim=2)
+        thr = problem.tau * torch.sqrt(c * c * (stats.qm.pow(2) * var[:, :, None, :]).sum(-1) + 1e-6)
+        gap = (R - thr[..., None]).abs().min().item()
+    else:
+        sinks = sink_mask(problem.sink_blocks, problem.n, R.device)
+        kk = topk_count(problem.topk_ratio, problem.n - int(sinks.sum()))
+        s = R[..., ~sinks].sort(dim=-1, descending=True).values
+        gap = (s[..., kk - 1] - s[..., kk]).min().item() if 0 < kk < s.shape[-1] else 1.0
+    assert gap > margin, f"test input has an ambiguous selection (gap {gap:.2e}); pick another seed"
+
+
+def _check(problem, tol=TOL, config=None):
+    """Triton vs reference on ``problem``, with a poisoned output buffer."""
+    _assert_selection_clear(problem)
+    plan = build_plan(problem)
+    out = torch.full(problem.q.shape, float("nan"), dtype=problem.v.dtype)
+    got = launch(problem, plan, config=config, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert got.dtype == problem.v.dtype and got.shape == problem.q.shape and got.is_contiguous()
+    assert torch.isfinite(got).all(), "kernel left elements unwritten (NaN poison) or produced inf/NaN"
+    ref = reference_forward(problem)
+    err = _rel(got, ref)
+    assert err < tol, f"relative L2 {err:.3e} >= {tol} ({problem.describe()})"
+    return got, ref
+
+
+# ----------------------------------------------------------------------------- modes and tail
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("mode", ["topk", "tau"])
+def test_modes_and_tail(mode, tail):
+    q, k, v = _qkv(1, 300, 2, seed=10)
+    kw = dict(topk_ratio=0.3) if mode == "topk" else dict(tau=0.5)
+    _check(validate(q, k, v, tail=tail, **kw))
+
+
+def test_fp16_and_b2():
+    q, k, v = _qkv(2, 200, 2, dtype=torch.float16, seed=20)
+    _check(validate(q, k, v, topk_ratio=0.25, tail=True))
+
+
+@pytest.mark.parametrize("T", [1, 30, 65, 200])
+def test_ragged_T(T):
+    q, k, v = _qkv(1, T, 1, seed=30 + T)
+    _check(validate(q, k, v, topk_ratio=0.4, tail=True))
+
+
+# ----------------------------------------------------------------------------- key_bias
+
+def test_key_bias_float_b2():
+    B, T = 2, 200
+    q, k, v = _qkv(B, T, 2, seed=40)
+    bias = _rand((B, T), torch.float32, 45) * 2.0
+    bias[0, 70:100] = -math.inf
+    bias[1, 0:64] = -math.inf
+    _check(validate(q, k, v, topk_ratio=0.3, tail=True, key_bias=bias))
+
+
+def test_key_bias_bool_all_masked_tail_off_is_zero():
+    q, k, v = _qkv(1, 130, 2, seed=50)
+    keep = torch.zeros(130, dtype=torch.bool)
+    got, ref = _check(validate(q, k, v, topk_ratio=0.5, tail=False, key_bias=keep))
+    assert (got == 0).all() and (ref == 0).all()
+
+
+def test_key_bias_all_masked_tail_on_gives_tail():
+    q, k, v = _qkv(1, 130, 2, seed=55)
+    bias = torch.full((1, 1, 1, 130), -math.inf)
+    _check(validate(q, k, v, tau=0.5, tail=True, key_bias=bias))
+
+
+def test_key_bias_some_query_blocks_fully_masked():
+    # tau very high: only the forced neighbours are exact; masking blocks 0..2 leaves
+    # query blocks 0 and 1 with every exact key masked -> 0 rows (tail off)
+    T = 300
+    q, k, v = _qkv(1, T, 2, seed=60)
+    bias = torch.zeros(T)
+    bias[: 3 * 64] = -math.inf
+    got, ref = _check(validate(q, k, v, tau=50.0, tail=False, key_bias=bias))
+    assert (got[:, :128] == 0).all()
+    assert (got[:, 192:].abs().sum(-1) > 0).all()
+
+
+# ----------------------------------------------------------------------------- block_len
+
+def test_block_len_dead_rows():
+    T = 200  # n = 4, last block has 8 rows
+    q, k, v = _qkv(1, T, 2, seed=70)
+    block_len = torch.tensor([64, 40, 1, 30], dtype=torch.int32)
+    got, ref = _check(validate(q, k, v, topk_ratio=0.5, tail=True, block_len=block_len))
+    assert torch.isfinite(got).all()
+
+
+def test_block_len_with_bias_and_coarse():
+    T = 256
+    q, k, v = _qkv(1, T, 1, seed=75)
+    gate = _rand((1, T, 1, 64), torch.bfloat16, 79)
+    block_len = torch.tensor([17, 64, 64, 33], dtype=torch.int32)
+    bias = _rand((T,), torch.float32, 78)
+    _check(validate(q, k, v, tau=0.3, tail=True, block_len=block_len, key_bias=bias, coarse_gate=gate))
+
+
+# ----------------------------------------------------------------------------- sinks, coarse
+
+def test_sinks_and_sink_q():
+    q, k, v = _qkv(1, 300, 2, seed=80)
+    _check(validate(q, k, v, topk_ratio=0.2, tail=True, sink_blocks=(0, 1), sink_q=(2, 3)))
+
+
+def test_sinks_at_the_edge_tau():
+    q, k, v = _qkv(1, 300, 1, seed=85)
+    _check(validate(q, k, v, tau=1.0, tail=True, sink_blocks=(4, 9), sink_q=(0, 1)))
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_coarse_gate(tail):
+    q, k, v = _qkv(2, 200, 2, seed=90)
+    gate = _rand(q.shape, torch.bfloat16, 95)
+    _check(validate(q, k, v, topk_ratio=0.3, tail=tail, coarse_gate=gate))
+
+
+@pytest.mark.parametrize("kv_per_iter", [2, 4])
+def test_several_key_blocks_per_step(kv_per_iter):
+    # odd and even counts per query block, dead rows inside a step, bias and tail together
+    T = 300
+    q, k, v = _qkv(1, T, 2, seed=140)
+    block_len = torch.tensor([64, 20, 64, 64, 5], dtype=torch.int32)
+    bias = _rand((1, T), torch.float32, 141)
+    bias[0, 130:150] = -math.inf
+    problem = validate(q, k, v, tau=0.3, tail=True, block_len=block_len, key_bias=bias)
+    plan = build_plan(problem)
+    assert len(set(plan.kv_num_blocks.flatten().tolist()) - {0}) > 1 or kv_per_iter == 4
+    _check(problem, config=KernelConfig(kv_per_iter, 4, 2))
+
+
+# ----------------------------------------------------------------------------- layouts
+
+def test_strided_and_permuted_inputs():
+    B, T, H, D = 2, 200, 2, 64
+    q = _rand((B, H, T, D), torch.bfloat16, 100).permute(0, 2, 1, 3)        # (B, T, H, D) view
+    k = _rand((B, T, H, 2 * D), torch.bfloat16, 101)[..., ::2]              # inner stride 2
+    v = _rand((T, B, H, D), torch.bfloat16, 102).transpose(0, 1)            # batch-inner layout
+    gate = _rand((B, T, D, H), torch.bfloat16, 103).transpose(2, 3)          # stride(-1) != 1
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous() or gate.is_contiguous())
+    problem = validate(q, k, v, topk_ratio=0.3, tail=True, coarse_gate=gate)
+    got, _ = _check(problem)
+    contiguous = validate(q.contiguous(), k.contiguous(), v.contiguous(), topk_ratio=0.3, tail=True,
+                          coarse_gate=gate.contiguous())
+    same = launch(contiguous, build_plan(contiguous))
+    assert torch.equal(got, same), "strides changed the result"
+
+
+def test_centring_is_shift_invariant():
+    q, k, v = _qkv(1, 200, 1, dtype=torch.float16, seed=110)
+    shift = _rand((64,), torch.float32, 111) * 4
+    a = validate(q, k, v, topk_ratio=0.3, tail=True)
+    b = validate(q, (k.float() + shift).half(), v, topk_ratio=0.3, tail=True)
+    # both agree with the reference of their own inputs, and with each other
+    got_a, _ = _check(a)
+    got_b, _ = _check(b)
+    assert _rel(got_b, got_a) < 2e-2
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def test_sol_attn_entry_point_and_dispatch():
+    q, k, v = _qkv(1, 130, 2, seed=120)
+    out = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="triton")
+    ref = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="reference")
+    assert _rel(out, ref) < TOL
+    assert "triton" in solattn.dispatch.registered()
+
+
+def test_reasons(monkeypatch):
+    q, k, v = _qkv(1, 64, 1, seed=130)
+    assert BACKEND.not_supported_reasons(validate(q, k, v)) == []
+    f32 = validate(q.float(), k.float(), v.float())
+    assert any("float32" in r for r in BACKEND.not_supported_reasons(f32))
+    odd = validate(*(_rand((1, 64, 1, 48), torch.bfloat16, 131 + i) for i in range(3)))
+    assert any("head dim 48" in r for r in BACKEND.not_supported_reasons(odd))
+    assert "autograd" not in BACKEND.features
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert any("TRITON_INTERPRET" in r for r in BACKEND.availability_reasons("cpu"))
+    monkeypatch.delenv("SOLATTN_TRITON_XPU", raising=False)
+    assert any("Intel" in r for r in BACKEND.availability_reasons("xpu"))
+    assert BACKEND.availability_reasons("mps")
+    with pytest.raises(ValueError, match="plan"):
+        BACKEND.forward(validate(q, k, v), None)
