@@ -1,0 +1,98 @@
+"""Every bad argument is rejected before any work, with a message naming it, the value and what is allowed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import solattn
+from solattn.backends import reference as refmod
+
+
+def qkv(B=1, T=100, H=2, D=8, dtype=torch.float32):
+    return tuple(torch.randn(B, T, H, D, dtype=dtype) for _ in range(3))
+
+
+Q, K, V = qkv()
+N = 2  # ceil(100 / 64)
+
+BAD = [
+    # (kwargs overriding the call, exception type, argument named in the message)
+    (dict(q=torch.randn(100, 2, 8)), ValueError, "'q'"),
+    (dict(q=[1.0]), TypeError, "'q'"),
+    (dict(k=torch.randn(1, 99, 2, 8)), ValueError, "'k'"),
+    (dict(v=torch.randn(1, 100, 2, 8, dtype=torch.float64)), TypeError, "'v'"),
+    (dict(q=Q.half(), k=K.half(), v=V.float()), ValueError, "'v'"),
+    (dict(q=Q.to(torch.int32), k=K.to(torch.int32), v=V.to(torch.int32)), TypeError, "'q'"),
+    (dict(q=torch.randn(1, 0, 2, 8), k=torch.randn(1, 0, 2, 8), v=torch.randn(1, 0, 2, 8)), ValueError, "T = 0"),
+    (dict(scale=math.nan), ValueError, "'scale'"),
+    (dict(scale=math.inf), ValueError, "'scale'"),
+    (dict(scale="0.1"), TypeError, "'scale'"),
+    (dict(tau=math.inf), ValueError, "'tau'"),
+    (dict(tau=None), TypeError, "'tau'"),
+    (dict(sink_blocks=(2, 1)), ValueError, "'sink_blocks'"),
+    (dict(sink_blocks=(-1, 1)), ValueError, "'sink_blocks'"),
+    (dict(sink_blocks=(1,)), TypeError, "'sink_blocks'"),
+    (dict(sink_blocks=(0.5, 1)), TypeError, "'sink_blocks'"),
+    (dict(sink_q=(3, 2)), ValueError, "'sink_q'"),
+    (dict(sink_q=5), TypeError, "'sink_q'"),
+    (dict(topk_ratio=1.0), ValueError, "'topk_ratio'"),
+    (dict(topk_ratio=-0.1), ValueError, "'topk_ratio'"),
+    (dict(topk_ratio=math.nan), ValueError, "'topk_ratio'"),
+    (dict(topk_ratio="0.1"), TypeError, "'topk_ratio'"),
+    (dict(block_len=torch.ones(N, dtype=torch.int64)), TypeError, "'block_len'"),
+    (dict(block_len=torch.ones(N + 1, dtype=torch.int32)), ValueError, "'block_len'"),
+    (dict(block_len=torch.ones(1, N, dtype=torch.int32)), ValueError, "'block_len'"),
+    (dict(block_len=torch.ones(N, dtype=torch.int32, device="meta")), ValueError, "'block_len'"),
+    (dict(block_len=[64, 64]), TypeError, "'block_len'"),
+    (dict(coarse_gate=torch.randn(1, 100, 2, 4)), ValueError, "'coarse_gate'"),
+    (dict(coarse_gate=torch.randn(1, 100, 2, 8, device="meta")), ValueError, "'coarse_gate'"),
+    (dict(key_bias=torch.zeros(99)), ValueError, "'key_bias'"),
+    (dict(key_bias=torch.zeros(1, 2, 1, 100)), ValueError, "'key_bias'"),        # varies over heads
+    (dict(key_bias=torch.zeros(1, 1, 100, 100)), ValueError, "'key_bias'"),      # varies over queries
+    (dict(key_bias=torch.zeros(3, 100)), ValueError, "'key_bias'"),
+    (dict(key_bias=torch.zeros(100, dtype=torch.int64)), TypeError, "'key_bias'"),
+    (dict(key_bias=torch.zeros(100, device="meta")), ValueError, "'key_bias'"),
+    (dict(token_aug=32), ValueError, "'token_aug'"),
+    (dict(token_aug=512), ValueError, "'token_aug'"),
+    (dict(token_aug=64.0), TypeError, "'token_aug'"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,name", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_rejected_before_work(kw, exc, name, monkeypatch):
+    calls = []
+    monkeypatch.setattr(refmod, "reference_forward", lambda p: calls.append(p))
+    args = dict(q=Q, k=K, v=V)
+    args.update(kw)
+    with pytest.raises(exc) as ei:
+        solattn.sol_attn(args.pop("q"), args.pop("k"), args.pop("v"), backend="reference", **args)
+    msg = str(ei.value)
+    assert name in msg, msg
+    assert "allowed" in msg or "T = 0" in msg, msg
+    assert not calls, "work was done on a rejected call"
+
+
+def test_messages_show_the_received_value():
+    with pytest.raises(ValueError, match=r"received 1\.5"):
+        solattn.sol_attn(Q, K, V, topk_ratio=1.5)
+    with pytest.raises(ValueError, match=r"shape \(1, 99, 2, 8\)"):
+        solattn.sol_attn(Q, torch.randn(1, 99, 2, 8), V)
+    with pytest.raises(ValueError, match=r"\(2, 1\)"):
+        solattn.sol_attn(Q, K, V, sink_blocks=(2, 1))
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match="'backend'.*allowed.*reference"):
+        solattn.sol_attn(Q, K, V, backend="cudnn")
+
+
+def test_valid_edge_values_are_accepted():
+    out = solattn.sol_attn(Q, K, V, sink_blocks=(5, 9), sink_q=(0, 0), token_aug=256, scale=-0.2,
+                           key_bias=torch.zeros(1, 1, 1, 100), topk_ratio=0.999)
+    assert torch.isfinite(out).all()
+    p = solattn.validate(Q, K, V, sink_blocks=(1, 9))
+    assert p.sink_blocks == (1, 2)          # clipped to n
+    assert solattn.validate(Q, K, V, sink_blocks=(4, 9)).sink_blocks is None
