@@ -13,6 +13,7 @@ from .dispatch import BackendError, backends, best_device, use_backend
 from .ops import sol_attn
 from .routing import Plan, build_plan
 from .validation import BLOCK, Problem, validate
+from .video import tile, untile, video_sparse_attn
 
 dispatch.register(ReferenceBackend())
 try:  # the triton backend imports Triton lazily; it reports "triton not installed" as a reason
@@ -26,4 +27,5 @@ dispatch.register(SdpaBackend())
 __version__ = "0.1.0"
 
 __all__ = ["sol_attn", "backends", "use_backend", "best_device", "BackendError", "Plan",
-           "build_plan", "Problem", "validate", "BLOCK", "__version__"]
+           "build_plan", "Problem", "validate", "BLOCK", "__version__",
+           "tile", "untile", "video_sparse_attn"]

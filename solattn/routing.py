@@ -231,3 +231,66 @@ def build_plan(problem: Problem, topk_method: Optional[str] = None) -> Plan:
     stats = block_stats(problem)
     exact = select_exact(problem, stats, topk_method)
     return make_plan(problem, stats, exact, tail=problem.tail, coarse=problem.coarse_gate is not None)
+
+
+# --- VSA (video sparse attention) selection ------------------------------------------------------
+# The VSA entry point (solattn.video) lays a video out as optional prefix blocks (text, audio)
+# followed by 4x4x4 cube blocks, and selects per query cube the top-k key cubes by the
+# uncentred pooled score qm_i . km_j: no neighbours, no tail. Prefix blocks are sinks both
+# ways (every query attends them exactly; they attend every key exactly).
+
+
+def vsa_topk_from_sparsity(sparsity: float, n: int) -> int:
+    """``clamp(ceil((1 - sparsity) n), 1, n)`` computed exactly.
+
+    ``sparsity`` is read as the decimal it prints as (Python's shortest ``repr``), so ``0.95``
+    means 95/100 exactly: with plain float arithmetic ``(1 - 0.95) * 20`` is ``1.0000000000000009``
+    and would round up to 2 instead of 1.
+    """
+    from fractions import Fraction
+
+    exact = (1 - Fraction(repr(float(sparsity)))) * n
+    return min(max(math.ceil(exact), 1), n)
+
+
+@torch.no_grad()
+def select_vsa(stats: BlockStats, topk: int, num_prefix_blocks: int = 0,
+               topk_method: Optional[str] = None) -> torch.Tensor:
+    """VSA's selection as a ``(B, H, n, n)`` bool block mask.
+
+    Blocks ``[0, num_prefix_blocks)`` are prefix blocks, the rest video cubes (``n_v`` of them).
+    For each query cube, the key cubes whose score ``qm_i . km_j`` (fp32, uncentred, unscaled)
+    is ``>=`` the ``topk``-th largest score of its row are selected, so a tie at the boundary
+    keeps the whole tied group (as ``sol_attn``'s top-k mode does). Prefix key blocks are
+    selected for every query block and prefix query blocks select every key block.
+    ``1 <= topk <= n_v``.
+    """
+    B, H, n, _ = stats.qm.shape
+    n_prefix = int(num_prefix_blocks)
+    n_video = n - n_prefix
+    if not 0 <= n_prefix < n:
+        raise ValueError(f"select_vsa: argument 'num_prefix_blocks' received {num_prefix_blocks!r}; "
+                         f"allowed: an int 0 <= num_prefix_blocks < n = {n}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= n_video:
+        raise ValueError(f"select_vsa: argument 'topk' received {topk!r}; "
+                         f"allowed: an int 1 <= topk <= {n_video} (the number of video cubes)")
+    qm = stats.qm[:, :, n_prefix:]
+    km = stats.km[:, :, n_prefix:]
+    scores = qm @ km.transpose(-1, -2)                                   # (B, H, n_v, n_v)
+    theta = kth_largest(scores, topk, topk_method or default_topk_method(scores.device, n_video))
+    exact = torch.ones(B, H, n, n, dtype=torch.bool, device=scores.device)
+    exact[:, :, n_prefix:, n_prefix:] = scores >= theta[..., None]
+    return exact
+
+
+def build_vsa_plan(problem: Problem, topk: int, num_prefix_blocks: int = 0,
+                   topk_method: Optional[str] = None):
+    """The routing plan of a VSA call, and the block statistics it was built from.
+
+    ``problem`` is the tiled layout (prefix blocks, then cube blocks, ``block_len`` set).
+    The plan has no tail and no coarse term (the VSA entry point adds its own coarse branch,
+    over video cubes only). Returns ``(plan, stats)``.
+    """
+    stats = block_stats(problem)
+    exact = select_vsa(stats, topk, num_prefix_blocks, topk_method)
+    return make_plan(problem, stats, exact, tail=False, coarse=False), stats

@@ -1,0 +1,303 @@
+"""Video sparse attention (VSA): the cube token layout and the ``video_sparse_attn`` entry point.
+
+A ``(t, h, w)`` latent grid in raster order (t slowest, w fastest) is cut into cubes
+(4x4x4 by default, 64 tokens = one routing block). Cubes are numbered in t, then h, then w
+order; inside a cube the tokens keep raster order. Edge cubes of grids not divisible by the
+cube are partial: their tokens occupy the front of the cube's 64-slot block, the remaining
+slots are dead (zero), and the live counts are the ``block_len`` table of SPEC.md.
+
+``video_sparse_attn`` tiles q, k, v, selects the top-k key cubes of every query cube by the
+pooled score (``solattn.routing.select_vsa``), runs the exact ("fine") stage through a backend
+that consumes the routing plan, adds the gated coarse branch and returns raw token order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import os
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from . import dispatch
+from .backends.base import Backend
+from .routing import build_vsa_plan, vsa_topk_from_sparsity
+from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
+
+Grid = Tuple[int, int, int]
+DEFAULT_CUBE: Grid = (4, 4, 4)
+
+
+def _fail(fn: str, arg: str, received, allowed: str, exc=ValueError):
+    raise exc(f"{fn}: argument '{arg}' received {received}; allowed: {allowed}")
+
+
+def _check_triple(fn: str, arg: str, value, what: str) -> Grid:
+    allowed = f"a tuple of 3 positive ints {what}"
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        _fail(fn, arg, repr(value), allowed, TypeError)
+    if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in value):
+        _fail(fn, arg, repr(tuple(value)), allowed, TypeError)
+    value = tuple(int(x) for x in value)
+    if min(value) < 1:
+        _fail(fn, arg, repr(value), allowed)
+    return value
+
+
+def _check_grid_cube(fn: str, grid, cube) -> Tuple[Grid, Grid]:
+    grid = _check_triple(fn, "grid", grid, "(t, h, w), the latent grid")
+    cube = _check_triple(fn, "cube", cube, f"(ct, ch, cw) whose product is {BLOCK} (one routing block)")
+    if math.prod(cube) != BLOCK:
+        _fail(fn, "cube", f"{cube} (volume {math.prod(cube)})",
+              f"a cube of volume exactly {BLOCK} = solattn.BLOCK tokens, e.g. (4, 4, 4), (1, 8, 8), (2, 4, 8)")
+    return grid, cube
+
+
+def num_cubes(grid: Grid, cube: Grid = DEFAULT_CUBE) -> int:
+    """Number of (possibly partial) cubes, i.e. routing blocks, of a grid."""
+    return math.prod(-(-g // c) for g, c in zip(grid, cube))
+
+
+def _cube_slots(grid: Grid, cube: Grid) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Raw token -> slot of the tiled layout, ``(t*h*w,)`` int64, and ``block_len`` ``(n,)`` int32 (CPU)."""
+    counts = [-(-g // c) for g, c in zip(grid, cube)]              # cubes per axis
+    coords = torch.meshgrid(*[torch.arange(g) for g in grid], indexing="ij")
+    cube_idx = [x // c for x, c in zip(coords, cube)]              # which cube along each axis
+    offset = [x % c for x, c in zip(coords, cube)]                 # position inside that cube
+    # live extent of each token's cube along each axis (edge cubes are cut by the grid)
+    extent = [torch.clamp(g - i * c, max=c) for g, i, c in zip(grid, cube_idx, cube)]
+    cube_id = (cube_idx[0] * counts[1] + cube_idx[1]) * counts[2] + cube_idx[2]
+    pos = (offset[0] * extent[1] + offset[1]) * extent[2] + offset[2]  # raster order in the live box
+    slots = (cube_id * BLOCK + pos).reshape(-1)
+
+    def axis_len(g, c, k):
+        return torch.clamp(g - torch.arange(k) * c, max=c)
+
+    lt, lh, lw = (axis_len(g, c, k) for g, c, k in zip(grid, cube, counts))
+    block_len = (lt[:, None, None] * lh[None, :, None] * lw[None, None, :]).reshape(-1)
+    return slots, block_len.to(torch.int32)
+
+
+class _Layout(NamedTuple):
+    """Index tables of one tiled layout (all on the target device)."""
+
+    slots: torch.Tensor          # (tokens,) int64: row of the tiled sequence of every raw token
+    gather: torch.Tensor         # (rows,) int64: raw token of every tiled row (0 for dead rows)
+    dead: Optional[torch.Tensor]  # (dead rows,) int64, or None when every row is live
+    block_len: torch.Tensor      # (n,) int32 live rows per block
+    cube_of_token: torch.Tensor  # (t*h*w,) int64: cube (counted from the first cube) of each video token
+    num_prefix_blocks: int
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(grid: Grid, cube: Grid, prefix_len: int, device: torch.device) -> _Layout:
+    """The tiled layout of ``prefix_len`` prefix tokens followed by a video grid: prefix blocks
+    first (the last one partial), then the cube blocks. Cached per arguments, so a model's
+    repeated calls pay for one gather per tensor and nothing else."""
+    video_slots, video_len = _cube_slots(grid, cube)
+    n_prefix = -(-prefix_len // BLOCK)
+    prefix_len_table = torch.clamp(prefix_len - torch.arange(n_prefix) * BLOCK, max=BLOCK).to(torch.int32)
+    slots = torch.cat([torch.arange(prefix_len), video_slots + n_prefix * BLOCK])
+    block_len = torch.cat([prefix_len_table, video_len])
+    rows = block_len.shape[0] * BLOCK
+    gather = torch.zeros(rows, dtype=torch.int64)
+    gather[slots] = torch.arange(slots.shape[0])
+    live = torch.zeros(rows, dtype=torch.bool)
+    live[slots] = True
+    dead = torch.nonzero(~live).squeeze(1)
+    return _Layout(slots=slots.to(device), gather=gather.to(device),
+                   dead=dead.to(device) if dead.numel() else None, block_len=block_len.to(device),
+                   cube_of_token=(video_slots // BLOCK).to(device), num_prefix_blocks=n_prefix)
+
+
+def _to_tiled(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """Raw tokens (dim 1) -> tiled rows: one gather, then zeros written into the dead rows only."""
+    tiled = x.index_select(1, layout.gather)
+    return tiled if layout.dead is None else tiled.index_fill_(1, layout.dead, 0)
+
+
+def _check_tokens(fn: str, arg: str, x, expected: int, what: str):
+    allowed = f"a tensor of shape (B, {expected}, ...) with tokens on dim 1 ({what})"
+    if not isinstance(x, torch.Tensor):
+        _fail(fn, arg, type(x).__name__, allowed, TypeError)
+    if x.dim() < 2 or x.shape[1] != expected:
+        _fail(fn, arg, f"a tensor of shape {tuple(x.shape)}", allowed)
+
+
+def tile(x: torch.Tensor, grid, cube=DEFAULT_CUBE) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reorder raw video tokens into cube blocks.
+
+    Args:
+        x: ``(B, t*h*w, ...)`` (typically ``(B, t*h*w, H, D)``), tokens in raster order, t slowest.
+        grid: ``(t, h, w)``.
+        cube: cube shape, volume 64 (default ``(4, 4, 4)``).
+
+    Returns:
+        ``(tiled, block_len)``: ``tiled`` is ``(B, 64 n, ...)`` with ``n`` cubes in t, h, w order,
+        each cube's live tokens in raster order at the front of its 64 rows and zeros after;
+        ``block_len`` is the ``(n,)`` int32 live count per cube, on x's device.
+    """
+    grid, cube = _check_grid_cube("tile", grid, cube)
+    _check_tokens("tile", "x", x, math.prod(grid), f"t*h*w for grid={grid}")
+    layout = _layout(grid, cube, 0, x.device)
+    return _to_tiled(x, layout), layout.block_len
+
+
+def untile(y: torch.Tensor, grid, cube=DEFAULT_CUBE) -> torch.Tensor:
+    """Inverse of :func:`tile`: ``(B, 64 n, ...)`` cube blocks -> ``(B, t*h*w, ...)`` raw order.
+
+    Dead rows of partial cubes are dropped; ``untile(tile(x, grid)[0], grid)`` equals ``x`` exactly.
+    """
+    grid, cube = _check_grid_cube("untile", grid, cube)
+    rows = num_cubes(grid, cube) * BLOCK
+    _check_tokens("untile", "y", y, rows, f"64 x {rows // BLOCK} cubes for grid={grid}, cube={cube}")
+    return y.index_select(1, _layout(grid, cube, 0, y.device).slots)
+
+
+def _plan_backend(problem: Problem, requested: Optional[str]) -> Backend:
+    """A backend that consumes routing plans and can run ``problem``.
+
+    The ``reference`` backend recomputes ``sol_attn``'s own selection and ignores plans, so it
+    cannot serve VSA: asking for it (or for any backend with ``uses_plan=False``) is an error,
+    and the automatic choice skips it. ``SOLATTN_BACKEND`` naming a plan-consuming backend moves
+    it to the front of the device's priority list (a preference: it is skipped if it cannot run).
+    """
+    explicit = requested or dispatch.forced_backend()
+    if explicit:
+        backend = dispatch.get_backend(explicit)
+        if not backend.uses_plan:
+            usable = [n for n in dispatch.registered() if dispatch.get_backend(n).uses_plan]
+            raise dispatch.BackendError(
+                f"video_sparse_attn: backend '{backend.name}' cannot serve VSA: it does not consume a "
+                f"routing plan, so it would apply sol_attn's own selection instead of VSA's. "
+                f"Backends that consume plans: {', '.join(usable) or 'none registered'}")
+        return dispatch.choose(problem, backend.name)
+    names = [n for n in dispatch.priority(problem.device.type) if dispatch.get_backend(n).uses_plan]
+    names += [n for n in dispatch.registered() if n not in names and dispatch.get_backend(n).uses_plan]
+    preferred = os.environ.get("SOLATTN_BACKEND", "").strip().lower()  # a preference, as for sol_attn
+    if preferred in names:
+        names.remove(preferred)
+        names.insert(0, preferred)
+    for name in names:
+        if not dispatch.get_backend(name).not_supported_reasons(problem):
+            return dispatch.get_backend(name)
+    table = "\n".join(f"  {n}: " + "; ".join(dispatch.get_backend(n).not_supported_reasons(problem))
+                      for n in names)
+    raise dispatch.BackendError(
+        f"video_sparse_attn: no backend that consumes routing plans can run this call "
+        f"({problem.describe()})" + (":\n" + table if names else ": none is registered"))
+
+
+def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,
+                      sparsity: Optional[float] = None, topk: Optional[int] = None,
+                      gate: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                      backend: Optional[str] = None, prefix_len: int = 0) -> torch.Tensor:
+    """Video sparse attention (SPEC.md, "VSA entry point") in the model's raw token order.
+
+    Args:
+        q, k, v: ``(B, prefix_len + t*h*w, H, D)``, bf16 / fp16 / fp32, one shape, dtype and device.
+            The first ``prefix_len`` tokens are a prefix (text, audio, ...), the rest the video
+            latent in raster order (t slowest).
+        grid: ``(t, h, w)`` of the video latent.
+        sparsity: fraction of key cubes skipped; ``topk = clamp(ceil((1 - sparsity) n), 1, n)``
+            with ``n`` the number of video cubes, ``0 <= sparsity <= 1``; the float is read as the
+            decimal it prints as (``0.95`` is 95/100 exactly). Give exactly one of sparsity, topk.
+        topk: key cubes kept per query cube, ``>= 1`` (values above ``n`` keep every cube).
+        gate: the model's coarse gate (used as is, no sigmoid), shape of q, or of the video part
+            ``(B, t*h*w, H, D)``; adds ``gate * coarse`` to the video tokens. Prefix rows of a
+            full-shape gate are ignored.
+        scale: logit scale, default ``D ** -0.5``.
+        backend: force a backend by name; only backends that consume routing plans qualify.
+        prefix_len: number of prefix tokens, ``>= 0``.
+
+    Selection: each query cube keeps the key cubes with the ``topk`` largest ``qm_i . km_j``
+    (block means of q and k, uncentred, unscaled; ties at the boundary are all kept), with no
+    forced neighbours and no tail. Prefix tokens are attended exactly by every query, and prefix
+    queries attend every token exactly (dense). The coarse branch covers video cubes only:
+    ``coarse_i = sum_j softmax_j(scale qm_i . km_j) vm_j`` over the video cubes ``j``, added as
+    ``gate_t * coarse_i`` to each video token ``t`` of cube ``i`` after the fine output is cast
+    to v's dtype; prefix rows get no coarse term.
+
+    Returns:
+        ``(B, prefix_len + t*h*w, H, D)`` contiguous, v's dtype. Differentiable in q, k, v, gate
+        when the chosen backend supports autograd (the selection is treated as constant).
+    """
+    fn = "video_sparse_attn"
+    try:
+        validate(q, k, v, scale=scale)
+    except (TypeError, ValueError) as err:  # same checks as sol_attn, named after this function
+        raise type(err)(str(err).replace("sol_attn:", f"{fn}:", 1)) from None
+    grid, cube = _check_grid_cube(fn, grid, DEFAULT_CUBE)
+    if isinstance(prefix_len, bool) or not isinstance(prefix_len, numbers.Integral):
+        _fail(fn, "prefix_len", repr(prefix_len), "an int >= 0", TypeError)
+    prefix_len = int(prefix_len)
+    if prefix_len < 0:
+        _fail(fn, "prefix_len", repr(prefix_len), "an int >= 0")
+    n_video_tokens = math.prod(grid)
+    B, T, H, D = q.shape
+    if T != prefix_len + n_video_tokens:
+        _fail(fn, "q", f"a tensor of shape {tuple(q.shape)}",
+              f"T = prefix_len + t*h*w = {prefix_len} + {n_video_tokens} = {prefix_len + n_video_tokens} "
+              f"tokens on dim 1 for grid={grid}, prefix_len={prefix_len}")
+    n_video = num_cubes(grid, cube)
+    topk = _resolve_topk(fn, sparsity, topk, n_video)
+    gate = _check_gate(fn, gate, q, prefix_len, n_video_tokens)
+
+    layout = _layout(grid, cube, prefix_len, q.device)
+    n_prefix = layout.num_prefix_blocks
+    tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
+    problem = validate(tq, tk, tv, scale=scale, tail=False, block_len=layout.block_len)
+    chosen = _plan_backend(problem, backend)
+    plan, stats = build_vsa_plan(problem, topk, n_prefix)
+    out = chosen.forward(problem, plan).index_select(1, layout.slots)          # (B, T, H, D), v's dtype
+    if gate is None:
+        return out.contiguous()
+
+    # coarse branch over the video cubes only (fp32), broadcast to their tokens
+    qm, km, vm = (s[:, :, n_prefix:] for s in (stats.qm, stats.km, stats.vm))
+    coarse = torch.softmax(problem.scale * (qm @ km.transpose(-1, -2)), dim=-1) @ vm   # (B, H, nv, D)
+    coarse = coarse[:, :, layout.cube_of_token].permute(0, 2, 1, 3)                            # (B, N, H, D)
+    video = out[:, prefix_len:] + (gate.to(torch.float32) * coarse).to(out.dtype)
+    if prefix_len:
+        return torch.cat([out[:, :prefix_len], video], dim=1)
+    return video.contiguous()
+
+
+def _resolve_topk(fn: str, sparsity, topk, n_video: int) -> int:
+    if (sparsity is None) == (topk is None):
+        _fail(fn, "sparsity/topk", f"sparsity={sparsity!r}, topk={topk!r}",
+              "exactly one of them (sparsity: a float in [0, 1]; topk: an int >= 1)")
+    if topk is not None:
+        if isinstance(topk, bool) or not isinstance(topk, numbers.Integral):
+            _fail(fn, "topk", f"{topk!r} of type {type(topk).__name__}", "an int >= 1", TypeError)
+        if topk < 1:
+            _fail(fn, "topk", repr(topk), "an int >= 1 (values above the number of cubes keep all)")
+        return min(int(topk), n_video)
+    if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
+        _fail(fn, "sparsity", f"{sparsity!r} of type {type(sparsity).__name__}",
+              "a float 0 <= sparsity <= 1", TypeError)
+    if not (math.isfinite(float(sparsity)) and 0.0 <= float(sparsity) <= 1.0):
+        _fail(fn, "sparsity", repr(sparsity), "a float 0 <= sparsity <= 1")
+    return vsa_topk_from_sparsity(float(sparsity), n_video)
+
+
+def _check_gate(fn: str, gate, q: torch.Tensor, prefix_len: int, n_video_tokens: int):
+    """The gate's video rows ``(B, t*h*w, H, D)``, or None."""
+    if gate is None:
+        return None
+    B, T, H, D = q.shape
+    video_shape = (B, n_video_tokens, H, D)
+    allowed = (f"None or a float tensor (bf16, fp16 or fp32) of q's shape {tuple(q.shape)} or of the "
+               f"video part's shape {video_shape}, on {q.device}")
+    if not isinstance(gate, torch.Tensor):
+        _fail(fn, "gate", type(gate).__name__, allowed, TypeError)
+    desc = f"a tensor of shape {tuple(gate.shape)}, dtype {gate.dtype}, device {gate.device}"
+    if gate.dtype not in SUPPORTED_DTYPES:
+        _fail(fn, "gate", desc, allowed, TypeError)
+    if gate.device != q.device or tuple(gate.shape) not in (tuple(q.shape), video_shape):
+        _fail(fn, "gate", desc, allowed)
+    return gate[:, prefix_len:] if tuple(gate.shape) == tuple(q.shape) else gate
