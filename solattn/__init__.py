@@ -29,3 +29,6 @@ __version__ = "0.1.0"
 __all__ = ["sol_attn", "backends", "use_backend", "best_device", "BackendError", "Plan",
            "build_plan", "Problem", "validate", "BLOCK", "__version__",
            "tile", "untile", "video_sparse_attn"]
+
+if __import__("os").environ.get("SOLATTN_COMFY_KITCHEN", "").strip():  # opt-in comfy-kitchen plug-in (docs/comfyui.md)
+    __import__("solattn.integrations.comfy_kitchen", fromlist=["install_from_env"]).install_from_env()
