@@ -10,9 +10,10 @@ device's fastest kernel runs.
 - Gathers read rows straight out of the caller's tensors through a strided
   ``(rows, D)`` view of their storage: no layout copy of q, k or v is made for
   any input whose last dim is contiguous (BTHD, BHTD-transposed, sliced).
-- The pooled tail enters the same SDPA call as one extra key per query block:
-  a zero key (exact keys are centred, ``k - m``) whose mask entry is
-  ``tail_lse`` and whose value is ``tail_value`` (SPEC.md, DESIGN.md).
+- The pooled tail enters the same SDPA call as one extra key per query block
+  whose mask entry is ``tail_lse`` and whose value is ``tail_value``
+  (SPEC.md, DESIGN.md); its key is the centroid ``m``, which accounts for the
+  centring of the exact keys without copying them.
 - ``block_len``, ragged last blocks and ``key_bias`` become an additive key
   mask broadcast over the query rows.
 - Working memory (gathers, masks, SDPA scratch) is bounded by sizing the chunk
@@ -128,83 +129,77 @@ def sdpa_forward(p: Problem, plan: Plan, budget: Optional[int] = None) -> torch.
     B, T, H, D, n = p.B, p.T, p.H, p.D, p.n
     dev, dt = p.device, p.dtype
     budget = budget or _budget
-    qt, (qsB, qsT, qsH) = _row_table(p.q)
-    kt, (ksB, ksT, ksH) = _row_table(p.k)
-    vt, (vsB, vsT, vsH) = _row_table(p.v)
-
-    out = _new_output((B * T * H + 1, D), dt, dev)   # last row: sink for rows past T
-    kbias = _key_token_bias(p, plan)
+    R = B * H * n
+    qt, qs = _row_table(p.q)
+    kt, ks = _row_table(p.k)
+    vt, vs = _row_table(p.v)
+    kbias = _key_token_bias(p, plan)                    # (Bk, n, 64) or None
     tail = plan.tail_lse is not None
-    masked = kbias is not None or tail
+    if tail:
+        # The pooled tail is one extra key per query block. Its key is the centroid m: then
+        # scale q_t . m + tail_lse equals tail_lse against the centred exact logits
+        # scale q_t . (k_u - m), so the exact keys need no centring copy.
+        k_tail_row, v_tail_row = kt.shape[0], vt.shape[0]
+        kt = torch.cat([kt, plan.key_mean.reshape(B * H, D).to(dt)])
+        vt = torch.cat([vt, plan.tail_value.reshape(R, D).to(dt)])
+        if kbias is None:
+            kbias = torch.zeros(1, n, BLOCK, dtype=torch.float32, device=dev)
+        bias_table = torch.cat([kbias.reshape(-1), plan.tail_lse.reshape(R)])
+    else:
+        bias_table = kbias.reshape(-1) if kbias is not None else None
     mdt = _mask_dtype(dev, dt)
     elt = torch.finfo(dt).bits // 8
-    centre = plan.key_mean.to(dt) if tail else None   # (B, H, 1, D)
 
+    out = _new_output((B * T * H + 1, D), dt, dev)   # last row: sink for rows past T
     slots = torch.arange(BLOCK, device=dev)
-    counts = plan.kv_num_blocks.reshape(-1)             # (R,), R = B * H * n
-    indices = plan.kv_indices.reshape(counts.shape[0], -1)
+    counts = plan.kv_num_blocks.reshape(-1)             # (R,)
+    indices = plan.kv_indices.reshape(R, -1)
     for c in torch.unique(counts).tolist():
-        rows_all = torch.nonzero(counts == c).squeeze(1)
+        group = torch.nonzero(counts == c).squeeze(1)
         L = c * BLOCK + (1 if tail else 0)              # keys per query block in this group
         per_row = (2 * L * D * elt                      # gathered keys and values
                    + 3 * BLOCK * D * 4                  # queries, output, SDPA accumulators
-                   + (L * 4 if masked else 0)           # mask
+                   + L * 4 * 2                          # mask and its index
                    + L * 8 * 2                          # gather indices
                    + BLOCK * L * 4)                     # scores of a math fallback
         step = max(1, budget // per_row)
-        for r0 in range(0, rows_all.shape[0], step):
-            rows = rows_all[r0:r0 + step]
-            out_rows = _attend_rows(p, plan, rows, indices[rows, :c], L, tail, kbias, masked, mdt,
-                                    centre, qt, kt, vt, (qsB, qsT, qsH), (ksB, ksT, ksH),
-                                    (vsB, vsT, vsH), slots)
-            # destination rows in the (B, T, H, D) output; rows past T go to the sink row
+        for r0 in range(0, group.shape[0], step):
+            rows = group[r0:r0 + step]                  # flat (b, h, i) query-block ids
+            nr = rows.shape[0]
             b, h, i = rows // (H * n), (rows // n) % H, rows % n
-            t = i[:, None] * BLOCK + slots[None, :]
-            dst = torch.where(t < T, (b[:, None] * T + t) * H + h[:, None], B * T * H)
-            out.index_copy_(0, dst.reshape(-1), out_rows.reshape(-1, D))
+            tq = i[:, None] * BLOCK + slots                                        # (nr, 64)
+            tk = (indices[rows, :c].long()[:, :, None] * BLOCK + slots).reshape(nr, -1)
+            # rows past T (last block) read token T-1; their keys are masked, their outputs dropped
+            q_idx = b[:, None] * qs[0] + tq.clamp_max(T - 1) * qs[1] + h[:, None] * qs[2]
+            k_idx = b[:, None] * ks[0] + tk.clamp_max(T - 1) * ks[1] + h[:, None] * ks[2]
+            v_idx = b[:, None] * vs[0] + tk.clamp_max(T - 1) * vs[1] + h[:, None] * vs[2]
+            m_idx = None
+            if bias_table is not None:
+                bk = b if kbias.shape[0] > 1 else torch.zeros_like(b)
+                m_idx = bk[:, None] * (n * BLOCK) + tk
+            if tail:
+                k_idx = torch.cat([k_idx, (k_tail_row + rows // n)[:, None]], dim=1)
+                v_idx = torch.cat([v_idx, (v_tail_row + rows)[:, None]], dim=1)
+                m_idx = torch.cat([m_idx, (kbias.numel() + rows)[:, None]], dim=1)
+            q = qt.index_select(0, q_idx.reshape(-1)).view(nr, 1, BLOCK, D)
+            k = kt.index_select(0, k_idx.reshape(-1)).view(nr, 1, L, D)
+            v = vt.index_select(0, v_idx.reshape(-1)).view(nr, 1, L, D)
+            mask = bias_table.index_select(0, m_idx.reshape(-1)).view(nr, L) if m_idx is not None else None
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if mask is None else mask.to(mdt)[:, None, None, :],
+                scale=p.scale).view(nr, BLOCK, D)
+            if mask is not None:
+                dead = torch.isneginf(mask).all(dim=1)  # every term -inf: SPEC says 0, not NaN
+                if bool(dead.any()):
+                    o = torch.where(dead[:, None, None], torch.zeros_like(o), o)
+            dst = torch.where(tq < T, (b[:, None] * T + tq) * H + h[:, None], B * T * H)
+            out.index_copy_(0, dst.reshape(-1), o.reshape(-1, D))
+            del q, k, v, o, mask  # free this chunk's gathers before the next chunk allocates its own
 
     out = out[:-1].view(B, T, H, D)
     if plan.coarse is not None and p.coarse_gate is not None:
         out = _add_coarse(out, p.coarse_gate, plan.coarse, budget)
     return out
-
-
-def _attend_rows(p, plan, rows, kv_idx, L, tail, kbias, masked, mdt, centre, qt, kt, vt,
-                 qs, ks, vs, slots):
-    """SDPA for query-block rows ``rows`` (flat ``(b, h, i)`` ids) sharing one key count."""
-    H, n, T, D = p.H, p.n, p.T, p.D
-    b, h, i = rows // (H * n), (rows // n) % H, rows % n
-    nr = rows.shape[0]
-    # query rows: tokens i*64 + r (clamped into the sequence; rows past T are dropped later)
-    tq = (i[:, None] * BLOCK + slots[None, :]).clamp_max(T - 1)
-    q = qt[b[:, None] * qs[0] + tq * qs[1] + h[:, None] * qs[2]]                 # (nr, 64, D)
-    # key tokens of the kept blocks, ascending
-    tk = (kv_idx.long()[:, :, None] * BLOCK + slots).reshape(nr, -1).clamp_max(T - 1)
-    k = kt[b[:, None] * ks[0] + tk * ks[1] + h[:, None] * ks[2]]                 # (nr, c*64, D)
-    v = vt[b[:, None] * vs[0] + tk * vs[1] + h[:, None] * vs[2]]
-    mask = None
-    if masked:
-        if kbias is not None:
-            kb = kbias[b if kbias.shape[0] > 1 else torch.zeros_like(b)]         # (nr, n, 64)
-            mask = torch.gather(kb, 1, kv_idx.long()[:, :, None].expand(-1, -1, BLOCK)).reshape(nr, -1)
-        else:
-            mask = torch.zeros(nr, tk.shape[1], dtype=torch.float32, device=p.device)
-        if tail:
-            bh = rows // n
-            tail_lse = plan.tail_lse.reshape(-1)[rows]
-            mask = torch.cat([mask, tail_lse[:, None]], dim=1)
-            cb = centre.reshape(-1, 1, D)[bh]                                       # (nr, 1, D)
-            k = torch.cat([k - cb, torch.zeros_like(cb)], dim=1)
-            tv = plan.tail_value.reshape(-1, D)[rows].to(p.dtype)[:, None, :]
-            v = torch.cat([v, tv], dim=1)
-    attn_mask = mask.to(mdt)[:, None, None, :] if mask is not None else None
-    o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=attn_mask,
-                                       scale=p.scale)[:, 0]                        # (nr, 64, D)
-    if mask is not None:
-        dead = torch.isneginf(mask).all(dim=1)           # every term -inf: SPEC says 0, not NaN
-        if bool(dead.any()):
-            o = torch.where(dead[:, None, None], torch.zeros_like(o), o)
-    return o
 
 
 def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, budget: int) -> torch.Tensor:

@@ -1,0 +1,251 @@
+"""Every backend that can run x every device present x every feature, against the reference.
+
+Backends are discovered from the registry, so a new backend is tested the day it is
+registered. Inputs carry well-separated block structure (conftest.make_qkv), so the
+routing is unambiguous at every dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import solattn
+from solattn import dispatch
+from conftest import DEVICES, TOL, make_qkv, rel_l2
+
+BLOCK = 64
+
+
+def runnable(device):
+    """(backend, device) pairs to test: every registered backend other than the oracle that is
+    available on the device."""
+    out = []
+    for info in solattn.backends(device):
+        if info["name"] != "reference" and info["available"]:
+            out.append(info["name"])
+    return out
+
+
+PAIRS = [(b, d) for d in DEVICES for b in runnable(d)]
+PAIR_IDS = [f"{b}-{d}" for b, d in PAIRS]
+
+
+def _features(B, T, H, D, device, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = math.ceil(T / BLOCK)
+    bl = torch.randint(1, BLOCK + 1, (n,), generator=g, dtype=torch.int32).to(device)
+    bias = (torch.randn(B, T, generator=g) * 2).to(device)
+    keep = (torch.rand(T, generator=g) > 0.2).to(device)
+    gate = torch.randn(B, T, H, D, generator=g).to(dtype).to(device)
+    return {
+        "topk": dict(topk_ratio=0.3),
+        "topk-notail": dict(topk_ratio=0.3, tail=False),
+        "tau": dict(tau=0.5),
+        "tau-notail": dict(tau=0.5, tail=False),
+        "key_bias": dict(topk_ratio=0.3, key_bias=bias),
+        "bool_bias": dict(tau=0.3, key_bias=keep),
+        "block_len": dict(topk_ratio=0.3, block_len=bl),
+        "sinks": dict(topk_ratio=0.25, sink_blocks=(0, 1), sink_q=(n - 1, n)),
+        "coarse_gate": dict(topk_ratio=0.3, coarse_gate=gate),
+        "everything": dict(topk_ratio=0.3, key_bias=bias, block_len=bl, coarse_gate=gate,
+                           sink_blocks=(1, 2), sink_q=(0, 1), scale=0.2),
+    }, bl
+
+
+FEATURES = ["topk", "topk-notail", "tau", "tau-notail", "key_bias", "bool_bias", "block_len",
+            "sinks", "coarse_gate", "everything"]
+
+
+def _live_rows(T, bl):
+    live = torch.zeros(T, dtype=torch.bool)
+    L = bl.cpu().clamp(1, BLOCK)
+    for j in range(L.shape[0]):
+        live[j * BLOCK:j * BLOCK + int(L[j])] = True
+    return live
+
+
+def supported(backend, device, dtype):
+    b = dispatch.get_backend(backend)
+    return dtype in b.dtypes
+
+
+@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_backend_matches_reference(backend, device, feature, dtype):
+    if not supported(backend, device, dtype):
+        pytest.skip(f"{backend} does not take {dtype}")
+    B, T, H, D = 2, 5 * BLOCK - 17, 2, 32
+    q, k, v = make_qkv(B, T, H, D, dtype=dtype, device=device, seed=FEATURES.index(feature))
+    feats, bl = _features(B, T, H, D, device, dtype, seed=len(feature))
+    kw = feats[feature]
+    got = solattn.sol_attn(q, k, v, backend=backend, **kw)
+    want = solattn.sol_attn(q, k, v, backend="reference", **kw)
+    assert got.dtype == dtype and got.shape == q.shape and got.is_contiguous()
+    live = _live_rows(T, bl) if "block_len" in kw else torch.ones(T, dtype=torch.bool)
+    assert rel_l2(got.cpu()[:, live], want.cpu()[:, live]) < TOL[dtype] * (3 if dtype != torch.float32 else 1)
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("T", [1, 30, 64, 65, 129])
+def test_small_and_ragged_lengths(backend, device, T):
+    dtype = torch.float32 if supported(backend, device, torch.float32) else torch.bfloat16
+    q, k, v = make_qkv(1, T, 2, 64, dtype=dtype, device=device, seed=T)
+    for kw in (dict(topk_ratio=0.5), dict(tau=0.2), dict(tau=-1e9, tail=False)):
+        got = solattn.sol_attn(q, k, v, backend=backend, **kw)
+        want = solattn.sol_attn(q, k, v, backend="reference", **kw)
+        assert rel_l2(got, want) < TOL[dtype] * 3
+
+
+@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
+def test_all_blocks_exact_equals_dense(backend, device):
+    dtype = torch.bfloat16
+    q, k, v = make_qkv(2, 300, 2, 64, dtype=dtype, device=device)
+    for tail in (True, False):
+        got = solattn.sol_attn(q, k, v, tau=-1e9, tail=tail, backend=backend)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(x.float().transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+        assert rel_l2(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
+def test_ties_kk_zero_and_sinks_at_both_edges(backend, device):
+    dtype = torch.float32 if supported(backend, device, torch.float32) else torch.bfloat16
+    T, D = 10 * BLOCK, 64
+    q = torch.zeros(1, T, 1, D)
+    k = torch.zeros(1, T, 1, D)
+    q[..., 0] = 1.0
+    for j, lv in enumerate([0.0, 0.1, 0.2, 5.0, 5.0, 5.0, 5.0, 0.3, 0.4, 0.5]):
+        k[0, j * BLOCK:(j + 1) * BLOCK, 0, 0] = lv      # blocks 3..6 tie exactly
+    v = torch.randn(1, T, 1, D, generator=torch.Generator().manual_seed(0))
+    q, k, v = (x.to(dtype).to(device) for x in (q, k, v))
+    for kw in (dict(topk_ratio=0.2, tail=False), dict(topk_ratio=0.2),
+               dict(topk_ratio=0.9, sink_blocks=(0, 9), tail=False),        # n_eff = 1 -> kk = 0
+               dict(topk_ratio=0.2, sink_blocks=(0, 1), sink_q=(9, 10)),
+               dict(topk_ratio=0.2, sink_blocks=(9, 10), sink_q=(0, 1))):
+        got = solattn.sol_attn(q, k, v, backend=backend, **kw)
+        want = solattn.sol_attn(q, k, v, backend="reference", **kw)
+        assert rel_l2(got, want) < TOL[dtype] * 3, kw
+
+
+@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
+def test_strided_permuted_sliced(backend, device):
+    dtype = torch.bfloat16
+    q, k, v = make_qkv(2, 200, 3, 64, dtype=dtype, device=device, seed=5)
+    want = solattn.sol_attn(q, k, v, topk_ratio=0.4, backend=backend)
+    perm = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
+    sliced = [torch.cat([x, torch.randn_like(x)], dim=-1)[..., :64] for x in (q, k, v)]
+    every_other = [torch.stack([x, torch.randn_like(x)], 1).flatten(0, 1)[::2] for x in (q, k, v)]
+    for args in (perm, sliced, every_other):
+        assert not args[0].is_contiguous()
+        assert torch.equal(solattn.sol_attn(*args, topk_ratio=0.4, backend=backend), want)
+
+
+@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
+def test_batch_equals_each_alone_and_repeat_calls_bit_identical(backend, device):
+    dtype = torch.bfloat16
+    q, k, v = make_qkv(3, 150, 2, 64, dtype=dtype, device=device, seed=6)
+    full = solattn.sol_attn(q, k, v, topk_ratio=0.4, backend=backend)
+    again = solattn.sol_attn(q, k, v, topk_ratio=0.4, backend=backend)
+    assert torch.equal(full, again)
+    for b in range(3):
+        alone = solattn.sol_attn(q[b:b + 1], k[b:b + 1], v[b:b + 1], topk_ratio=0.4, backend=backend)
+        assert rel_l2(full[b:b + 1], alone) < 1e-2
+
+
+@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
+def test_all_masked_rows_are_zero_not_nan(backend, device):
+    dtype = torch.bfloat16
+    q, k, v = make_qkv(1, 200, 2, 64, dtype=dtype, device=device)
+    none = torch.zeros(200, dtype=torch.bool, device=device)
+    out = solattn.sol_attn(q, k, v, tau=0.0, tail=False, key_bias=none, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
+def test_dead_rows_leave_live_outputs_bit_identical(backend, device):
+    dtype = torch.bfloat16
+    T = 3 * BLOCK
+    q, k, v = make_qkv(1, T, 2, 64, dtype=dtype, device=device, seed=7)
+    bl = torch.tensor([20, 64, 5], dtype=torch.int32, device=device)
+    live = _live_rows(T, bl).to(device)
+    base = solattn.sol_attn(q, k, v, topk_ratio=0.5, block_len=bl, backend=backend)
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[:, ~live] = (torch.randn_like(x[:, ~live].float()) * 100).to(dtype)
+    other = solattn.sol_attn(q2, k2, v2, topk_ratio=0.5, block_len=bl, backend=backend)
+    assert torch.equal(base[:, live], other[:, live])
+    assert torch.isfinite(other).all()
+
+
+# --- the portable backend specifically -------------------------------------------------------
+
+SDPA_DEVICES = [d for d in DEVICES if "sdpa" in runnable(d)]
+
+
+@pytest.mark.parametrize("device", SDPA_DEVICES)
+@pytest.mark.parametrize("kw", [dict(topk_ratio=0.3), dict(tau=0.3, key_bias="bias", block_len="bl"),
+                                dict(topk_ratio=0.3, tail=False, coarse_gate="gate")],
+                         ids=["topk-tail", "tau-bias-blocklen", "notail-gate"])
+def test_sdpa_gradients_match_reference(device, kw):
+    B, T, H, D = 1, 3 * BLOCK - 10, 2, 16
+    q, k, v = make_qkv(B, T, H, D, device=device, seed=3)
+    gate = torch.randn(B, T, H, D, device=device)
+    extra = {"bias": torch.randn(B, T, device=device),
+             "bl": torch.tensor([64, 30, 40], dtype=torch.int32, device=device), "gate": gate}
+    kw = {key: (extra[val] if isinstance(val, str) else val) for key, val in kw.items()}
+    grads = {}
+    for backend in ("sdpa", "reference"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gate)]
+        kwb = dict(kw)
+        if "coarse_gate" in kwb:
+            kwb["coarse_gate"] = leaves[3]
+        out = solattn.sol_attn(*leaves[:3], backend=backend, **kwb)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(device)
+        (out * w).sum().backward()
+        grads[backend] = [x.grad for x in leaves]
+    names = ["q", "k", "v", "gate"]
+    for name, a, b in zip(names, grads["sdpa"], grads["reference"]):
+        if name == "gate" and "coarse_gate" not in kw:
+            assert a is None and b is None
+            continue
+        assert a is not None and b is not None, name
+        assert rel_l2(a, b) < 1e-4, name
+
+
+@pytest.mark.parametrize("device", SDPA_DEVICES)
+def test_sdpa_writes_every_output_element(device, monkeypatch):
+    from solattn.backends import sdpa as sdpamod
+    monkeypatch.setattr(sdpamod, "_new_output",
+                        lambda shape, dtype, dev: torch.full(shape, math.nan, dtype=dtype, device=dev))
+    for T, kw in ((1, {}), (200, dict(topk_ratio=0.3)), (257, dict(tau=0.4, tail=False)),
+                  (128, dict(tau=0.0, key_bias=torch.zeros(128, dtype=torch.bool)))):
+        q, k, v = make_qkv(2, T, 2, 32, dtype=torch.bfloat16, device=device)
+        kw = {a: (b.to(device) if isinstance(b, torch.Tensor) else b) for a, b in kw.items()}
+        out = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
+        assert torch.isfinite(out).all()
+
+
+def test_sdpa_small_budget_same_result():
+    from solattn.backends import sdpa as sdpamod
+    q, k, v = make_qkv(1, 600, 2, 32, dtype=torch.float32, seed=9)
+    bias = torch.randn(1, 600)
+    p = solattn.validate(q, k, v, topk_ratio=0.3, key_bias=bias)
+    plan = solattn.build_plan(p)
+    big = sdpamod.sdpa_forward(p, plan)
+    tiny = sdpamod.sdpa_forward(p, plan, budget=1)          # one query block per SDPA call
+    assert rel_l2(tiny, big) < 1e-6
+
+
+def test_sdpa_memory_budget_validation():
+    from solattn.backends import sdpa as sdpamod
+    with pytest.raises(ValueError, match="'nbytes'"):
+        sdpamod.set_memory_budget(-1)
+    sdpamod.set_memory_budget(123456)
+    assert sdpamod.memory_budget() == 123456
+    sdpamod.set_memory_budget(None)
+    assert sdpamod.memory_budget() == 1 << 30
