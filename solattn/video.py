@@ -158,24 +158,33 @@ def untile(y: torch.Tensor, grid, cube=DEFAULT_CUBE) -> torch.Tensor:
     return y.index_select(1, _layout(grid, cube, 0, y.device).slots)
 
 
-def _plan_backend(problem: Problem, requested: Optional[str]) -> Backend:
-    """A backend that consumes routing plans and can run ``problem``.
+def _explicit_backend(requested: Optional[str]) -> Optional[Backend]:
+    """The backend asked for by ``backend=`` or ``use_backend``, checked to consume plans; or None.
 
     The ``reference`` backend recomputes ``sol_attn``'s own selection and ignores plans, so it
-    cannot serve VSA: asking for it (or for any backend with ``uses_plan=False``) is an error,
-    and the automatic choice skips it. ``SOLATTN_BACKEND`` naming a plan-consuming backend moves
-    it to the front of the device's priority list (a preference: it is skipped if it cannot run).
+    cannot serve VSA: asking for it (or for any backend with ``uses_plan=False``) is an error.
     """
     explicit = requested or dispatch.forced_backend()
-    if explicit:
-        backend = dispatch.get_backend(explicit)
-        if not backend.uses_plan:
-            usable = [n for n in dispatch.registered() if dispatch.get_backend(n).uses_plan]
-            raise dispatch.BackendError(
-                f"video_sparse_attn: backend '{backend.name}' cannot serve VSA: it does not consume a "
-                f"routing plan, so it would apply sol_attn's own selection instead of VSA's. "
-                f"Backends that consume plans: {', '.join(usable) or 'none registered'}")
-        return dispatch.choose(problem, backend.name)
+    if not explicit:
+        return None
+    backend = dispatch.get_backend(explicit)
+    if not backend.uses_plan:
+        usable = [n for n in dispatch.registered() if dispatch.get_backend(n).uses_plan]
+        raise dispatch.BackendError(
+            f"video_sparse_attn: backend '{backend.name}' cannot serve VSA: it does not consume a "
+            f"routing plan, so it would apply sol_attn's own selection instead of VSA's. "
+            f"Backends that consume plans: {', '.join(usable) or 'none registered'}")
+    return backend
+
+
+def _plan_backend(problem: Problem, explicit: Optional[Backend]) -> Backend:
+    """The backend that runs the fine stage: the explicit one (raising with its reasons if it
+    cannot run ``problem``), else the first plan-consuming backend of the device's priority list
+    that can; the automatic choice never takes the ``reference``. ``SOLATTN_BACKEND`` naming a
+    plan-consuming backend moves it to the front (a preference: skipped if it cannot run).
+    """
+    if explicit is not None:
+        return dispatch.choose(problem, explicit.name)
     names = [n for n in dispatch.priority(problem.device.type) if dispatch.get_backend(n).uses_plan]
     names += [n for n in dispatch.registered() if n not in names and dispatch.get_backend(n).uses_plan]
     preferred = os.environ.get("SOLATTN_BACKEND", "").strip().lower()  # a preference, as for sol_attn
@@ -246,12 +255,13 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     n_video = num_cubes(grid, cube)
     topk = _resolve_topk(fn, sparsity, topk, n_video)
     gate = _check_gate(fn, gate, q, prefix_len, n_video_tokens)
+    explicit = _explicit_backend(backend)
 
     layout = _layout(grid, cube, prefix_len, q.device)
     n_prefix = layout.num_prefix_blocks
     tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
     problem = validate(tq, tk, tv, scale=scale, tail=False, block_len=layout.block_len)
-    chosen = _plan_backend(problem, backend)
+    chosen = _plan_backend(problem, explicit)
     plan, stats = build_vsa_plan(problem, topk, n_prefix)
     out = chosen.forward(problem, plan).index_select(1, layout.slots)          # (B, T, H, D), v's dtype
     if gate is None:
