@@ -1,0 +1,122 @@
+"""``python -m solattn {info,check,bench}``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+from . import dispatch
+from .routing import build_plan, live_lengths, live_token_mask
+from .validation import validate
+
+
+def _devices() -> List[str]:
+    devs = ["cpu"]
+    if torch.cuda.is_available():
+        devs += [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        devs += [f"xpu:{i} ({torch.xpu.get_device_name(i)})" for i in range(torch.xpu.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        devs.append("mps")
+    return devs
+
+
+def info(args) -> int:
+    import solattn
+    print(f"solattn {solattn.__version__}  torch {torch.__version__}  python {platform.python_version()}")
+    print("devices: " + ", ".join(_devices()))
+    for dev in sorted({d.split(":")[0].split(" ")[0] for d in _devices()}):
+        print(f"\nbackends on {dev} (priority: {' > '.join(dispatch.priority(dev)) or 'none'})")
+        for b in dispatch.backends(dev):
+            state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
+            print(f"  {b['name']:<10} {state}")
+            print(f"  {'':<10} {b['description']}")
+    return 0
+
+
+def _check_problems(device):
+    """A few random problems covering the modes and features; block-structured so routing is unambiguous."""
+    g = torch.Generator().manual_seed(0)
+
+    def qkv(B, T, H, D, dtype):
+        n = math.ceil(T / 64)
+        out = []
+        for _ in range(3):
+            off = torch.randn(B, n, H, D, generator=g).repeat_interleave(64, dim=1)[:, :T] * 3
+            out.append(((off + torch.randn(B, T, H, D, generator=g) * 0.5) * D ** -0.25).to(dtype).to(device))
+        return out
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        B, T, H, D = 2, 300, 2, 64
+        q, k, v = qkv(B, T, H, D, dtype)
+        gate = torch.randn(B, T, H, D, generator=g).to(dtype).to(device)
+        bl = torch.tensor([64, 40, 64, 17, 44], dtype=torch.int32, device=device)
+        bias = torch.randn(B, T, generator=g).to(device)
+        yield f"topk 0.3 tail {str(dtype)[6:]}", (q, k, v), dict(topk_ratio=0.3)
+        yield f"tau 0.5 no-tail {str(dtype)[6:]}", (q, k, v), dict(tau=0.5, tail=False)
+        yield (f"topk+bias+block_len+gate+sinks {str(dtype)[6:]}", (q, k, v),
+               dict(topk_ratio=0.3, key_bias=bias, block_len=bl, coarse_gate=gate, sink_blocks=(0, 1),
+                    sink_q=(4, 5)))
+
+
+def check(args) -> int:
+    from .backends.reference import reference_forward
+    device = torch.device(args.device) if args.device else dispatch.best_device()
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-2}
+    rows, failed = [], False
+    infos = [b for b in dispatch.backends(device) if b["name"] != "reference"]
+    runnable = [b["name"] for b in infos if b["available"]]
+    for name, (q, k, v), kw in _check_problems(device):
+        p = validate(q, k, v, **kw)
+        want = reference_forward(p).float()
+        live = live_token_mask(live_lengths(p)).reshape(-1)[:p.T]   # dead rows are unspecified
+        for name_ in runnable:
+            backend = dispatch.get_backend(name_)
+            reasons = backend.not_supported_reasons(p)
+            if reasons:
+                rows.append((name_, name, "skip", "; ".join(reasons)[:70]))
+                continue
+            t0 = time.perf_counter()
+            try:
+                got = backend.forward(p, build_plan(p) if backend.uses_plan else None).float()
+                err = ((got - want)[:, live].norm() / want[:, live].norm()).item()
+                ok = math.isfinite(err) and err < tol[q.dtype]
+                rows.append((name_, name, "pass" if ok else "FAIL",
+                             f"rel L2 {err:.2e} ({(time.perf_counter() - t0) * 1e3:.0f} ms)"))
+            except Exception as e:  # report, don't hide: a crash is a failure
+                ok = False
+                rows.append((name_, name, "FAIL", f"{type(e).__name__}: {e}"[:80]))
+            failed |= not ok
+    print(f"solattn check on {device} (tolerance: fp32 1e-4, bf16/fp16 3e-2 relative L2 vs reference)")
+    for b in infos:
+        if not b["available"]:
+            print(f"  {b['name']:<10} not run here: {'; '.join(b['reasons'])}")
+    if not rows:
+        print("no backend other than the reference can run here")
+        return 1
+    w = max(len(r[1]) for r in rows)
+    for backend, name, status, detail in rows:
+        print(f"  {backend:<10} {name:<{w}}  {status:<5} {detail}")
+    print("FAILED" if failed else "all passed")
+    return 1 if failed else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m solattn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="torch version, devices, backends and why each can or cannot run")
+    pc = sub.add_parser("check", help="every backend that can run here against the reference")
+    pc.add_argument("--device", default=None, help="device to check (default: best present)")
+    sub.add_parser("bench", help="timings, memory, error and plots (see `bench --help`)", add_help=False)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from .bench import main as bench_main
+        return bench_main(argv[1:])
+    args = parser.parse_args(argv)
+    return {"info": info, "check": check}[args.command](args)
