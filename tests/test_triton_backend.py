@@ -193,6 +193,16 @@ def test_several_key_blocks_per_step(kv_per_iter):
     _check(problem, config=KernelConfig(kv_per_iter, 4, 2))
 
 
+@pytest.mark.parametrize("tma", [2, 4])
+def test_tma_descriptor_loads(tma):
+    # B=2 and a ragged T: the flattened descriptor reads the next batch entry's rows past T
+    q, k, v = _qkv(2, 200, 2, seed=150)
+    bias = _rand((2, 200), torch.float32, 151)
+    gate = _rand(q.shape, torch.bfloat16, 152)
+    _check(validate(q, k, v, topk_ratio=0.3, tail=True, key_bias=bias, coarse_gate=gate),
+           config=KernelConfig(1, 4, 3, tma=tma))
+
+
 # ----------------------------------------------------------------------------- layouts
 
 def test_strided_and_permuted_inputs():

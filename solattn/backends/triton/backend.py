@@ -27,6 +27,12 @@ class KernelConfig:
     kv_per_iter: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    #: load key/value blocks through TMA tensor descriptors where the inputs allow it (sm_90+, last
+    #: dim contiguous, 16-byte aligned strides, no block_len): 4 = a (B, T, H, D) descriptor,
+    #: 2 = a (B*T, H*D) one (needs that layout); 0 or not allowed = pointer loads
+    tma: int = 0
+    #: benchmarks only (notes_triton.md): 1 = loop without K/V loads, 2 = loads without math
+    diag: int = 0
 
 
 #: chosen per head dim from the H200 sweep (benchmarks/notes_triton.md)
@@ -94,9 +100,19 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
 
     interpret = _interpreting() or q.device.type == "cpu"
     fn = kernel.compiled(interpret)
+    use_tma = cfg.tma if cfg.kv_per_iter == 1 and cfg.diag == 0 and _tma_ok(problem, interpret) else 0
+    if use_tma == 2 and not all(t.stride(2) == D and t.stride(0) == T * t.stride(1) for t in (k, v)):
+        use_tma = 4
+    k_arg, v_arg = k, v
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        if use_tma == 4:
+            k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D]) for t in (k, v))
+        else:
+            k_arg, v_arg = (TensorDescriptor(t, [B * T, H * D], [t.stride(1), 1], [BLOCK, D]) for t in (k, v))
     grid = (n, B * H)
     fn[grid](
-        q, k, v, out, gate,
+        q, k_arg, v_arg, out, gate,
         kv_num, kv_idx, block_len, key_mean, tail_lse, tail_value, coarse, key_bias,
         *q.stride(), *k.stride(), *v.stride(), *gate.stride(),
         bias_stride_b,
@@ -105,9 +121,25 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
         HEAD_DIM=D, BLOCK=BLOCK, KV_PER_ITER=cfg.kv_per_iter,
         HAS_TAIL=has_tail, HAS_BIAS=has_bias, HAS_COARSE=has_coarse,
         DOT_IN_F32=interpret and q.dtype == torch.bfloat16,
+        USE_TMA=use_tma, DIAG=cfg.diag,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _tma_ok(problem: Problem, interpret: bool) -> bool:
+    """TMA descriptors need sm_90+, a contiguous last dim and 16-byte aligned strides and bases;
+    dead rows inside T (block_len) would be read unmasked, so block_len keeps the pointer path."""
+    if problem.block_len is not None:
+        return False
+    if not interpret:
+        if problem.device.type != "cuda" or torch.cuda.get_device_capability(problem.device)[0] < 9:
+            return False
+    for t in (problem.k, problem.v):
+        es = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
 
 
 class TritonBackend(Backend):

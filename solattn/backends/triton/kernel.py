@@ -57,6 +57,8 @@ def _sol_attn_fwd(
     HAS_BIAS: tl.constexpr,
     HAS_COARSE: tl.constexpr,
     DOT_IN_F32: tl.constexpr,      # interpreter only: its tl.dot multiplies bf16 bit patterns as integers
+    USE_TMA: tl.constexpr = 0,     # K, V as TMA descriptors: 4 = (B, T, H, D), 2 = (B*T, H*D) (KV_PER_ITER == 1)
+    DIAG: tl.constexpr = 0,        # benchmarks only: 1 = no K/V loads in the loop, 2 = loads only, no math
 ):
     BLOCK_N: tl.constexpr = BLOCK * KV_PER_ITER
     q_block = tl.program_id(0)
@@ -93,36 +95,70 @@ def _sol_attn_fwd(
     cols = tl.arange(0, BLOCK_N)
     slot_in_step = cols // BLOCK        # which of the KV_PER_ITER blocks a column belongs to
     row_in_block = cols % BLOCK
-    k_base = K + b * skb + h * skh
-    v_base = V + b * svb + h * svh
+    if USE_TMA:
+        b32 = bh // H
+        h32 = bh % H
+    else:
+        k_base = K + b * skb + h * skh
+        v_base = V + b * svb + h * svh
+    if DIAG == 1:  # the first block's keys and values, loaded once (times the loop without its loads)
+        tok0 = (tl.load(idx_row) * BLOCK + row_in_block).to(tl.int64)
+        k_fixed = tl.load(k_base + tok0[:, None] * skt + dims[None, :] * skd)
+        v_fixed = tl.load(v_base + tok0[:, None] * svt + dims[None, :] * svd)
     for step in range(0, (count + KV_PER_ITER - 1) // KV_PER_ITER):
-        slot = step * KV_PER_ITER + slot_in_step
-        slot_ok = slot < count
-        kv_block = tl.load(idx_row + slot, mask=slot_ok, other=0)
-        live_len = tl.load(BlockLen + kv_block)
-        live = slot_ok & (row_in_block < live_len)      # dead rows are never keys
-        tok_k = (kv_block * BLOCK + row_in_block).to(tl.int64)
-        k = tl.load(k_base + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
-        if DOT_IN_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
+        if USE_TMA:
+            # one block per step; without block_len the only dead rows are past T (zero-filled or masked)
+            kv_block = tl.load(idx_row + step)
+            live = (kv_block * BLOCK + row_in_block) < T
+            tok_k = (kv_block * BLOCK + row_in_block).to(tl.int64)
+            if USE_TMA == 4:
+                k = K.load([b32, kv_block * BLOCK, h32, 0]).reshape(BLOCK, HEAD_DIM)
+            else:  # rows past T come from the next batch entry: finite, and masked out through `live`
+                k = K.load([b32 * T + kv_block * BLOCK, h32 * HEAD_DIM])
         else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-        if HAS_BIAS:
-            bias = tl.load(KeyBias + b * s_bias_b + tok_k, mask=live, other=0.0)
-            s = s + bias[None, :] * 1.4426950408889634
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-        # a row with nothing finite yet keeps m = -inf; subtract 0 there to avoid inf - inf
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_ref)
-        p = tl.math.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
-        v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
-        if DOT_IN_F32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+            slot = step * KV_PER_ITER + slot_in_step
+            slot_ok = slot < count
+            kv_block = tl.load(idx_row + slot, mask=slot_ok, other=0)
+            live_len = tl.load(BlockLen + kv_block)
+            live = slot_ok & (row_in_block < live_len)      # dead rows are never keys
+            tok_k = (kv_block * BLOCK + row_in_block).to(tl.int64)
+            if DIAG == 1:
+                k = k_fixed
+            else:
+                k = tl.load(k_base + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
+        if DIAG == 2:
+            v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
+            acc += k.to(tl.float32) + v.to(tl.float32)
+            l_i += 1.0
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            if DOT_IN_F32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+            if HAS_BIAS:
+                bias = tl.load(KeyBias + b * s_bias_b + tok_k, mask=live, other=0.0)
+                s = s + bias[None, :] * 1.4426950408889634
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+            # a row with nothing finite yet keeps m = -inf; subtract 0 there to avoid inf - inf
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_ref)
+            p = tl.math.exp2(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
+            if USE_TMA:
+                if USE_TMA == 4:
+                    v = V.load([b32, kv_block * BLOCK, h32, 0]).reshape(BLOCK, HEAD_DIM)
+                else:
+                    v = V.load([b32 * T + kv_block * BLOCK, h32 * HEAD_DIM])
+            elif DIAG == 1:
+                v = v_fixed
+            else:
+                v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
+            if DOT_IN_F32:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
 
     # a row whose terms are all -inf has l = 0 (and acc = 0): it returns 0, not NaN
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
