@@ -1,0 +1,126 @@
+"""``solattn.bench``: the benchmark behind ``python -m solattn bench`` runs, writes its files, and its
+numbers are measured, finite and accurate."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import pytest
+
+from solattn import bench
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    rc = bench.main(["--quick", "--out", str(out), "--device", "cpu"])
+    with open(os.path.join(out, "bench.csv")) as f:
+        rows = list(csv.DictReader(f))
+    return rc, out, rows
+
+
+def test_quick_writes_csv_markdown_and_plot(quick_run):
+    rc, out, rows = quick_run
+    assert rc == 0
+    for name in ("bench.csv", "bench.md", "bench.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    with open(os.path.join(out, "bench.csv")) as f:
+        assert next(csv.reader(f)) == bench.COLUMNS
+    md = open(os.path.join(out, "bench.md")).read()
+    assert "| backend |" in md and "two-number model" in md
+
+
+def test_quick_rows_cover_dense_and_portable(quick_run):
+    _, _, rows = quick_run
+    shapes = {(r["B"], r["T"], r["H"], r["D"]) for r in rows}
+    assert len(shapes) == len(bench.PRESETS["quick"])
+    for backend in ("dense", "sdpa"):
+        got = [r for r in rows if r["backend"] == backend]
+        assert len(got) == len(shapes) * 2, backend          # ratios 0.1 and 0.2, tail off
+        assert {float(r["ratio"]) for r in got} == {0.1, 0.2}
+        assert all(r["tail"] == "False" for r in got)
+    assert "reference" not in {r["backend"] for r in rows}  # the oracle is the basis, never timed
+
+
+def test_quick_numbers_finite_positive_and_accurate(quick_run):
+    _, _, rows = quick_run
+    for r in rows:
+        for col in ("time_ms", "speedup", "gflop", "gb_moved", "gflops", "gbps", "kept_fraction"):
+            x = float(r[col])
+            assert math.isfinite(x) and x > 0, (col, r)
+        assert 0 < float(r["kept_fraction"]) <= 1
+        assert r["peak_basis"] in ("rss>=", "n/a")
+        if r["peak_basis"] == "rss>=":
+            assert math.isfinite(float(r["peak_mib"])) and float(r["peak_mib"]) >= 0
+        else:
+            assert r["peak_mib"] == ""                       # never a number that was not measured
+        err = float(r["rel_l2"])
+        assert math.isfinite(err) and err >= 0
+        if r["backend"] == "dense":
+            assert r["err_basis"].endswith("(other op)")
+            assert float(r["speedup"]) == 1.0
+        else:
+            assert r["err_basis"] == "reference"             # the quick problems fit the reference
+            assert err < 2e-2, r                             # bf16 against the fp32 definition
+            assert float(r["plan_ms"]) > 0
+            assert float(r["kept_fraction"]) < 1             # sparse rows count kept blocks only
+
+
+def test_flop_and_byte_models():
+    shape = (1, 8192, 16, 128)
+    n = 8192 // 64
+    assert bench.flop_count(shape, None) == 4 * 16 * 8192 ** 2 * 128
+    pairs = 16 * n * n                                        # every block kept: same FLOPs as dense
+    assert bench.flop_count(shape, pairs) == bench.flop_count(shape, None)
+    N = 8192 * 16 * 128
+    assert bench.bytes_moved(shape, 2, None, "dense") == 2 * 4 * N
+    assert bench.bytes_moved(shape, 2, 10, "sdpa") == 2 * (9 * N + 6 * 10 * 64 * 128)
+    assert bench.bytes_moved(shape, 2, 10, "fused") == 2 * (5 * N + 2 * 10 * 64 * 128)
+
+
+def test_parse_shapes_presets_and_tuples():
+    assert bench.parse_shapes(["1,4096,16,128"]) == [(1, 4096, 16, 128)]
+    assert bench.parse_shapes(["seed", "2,4056,16,128"]) == [(2, 4056, 16, 128)]   # duplicates dropped
+    assert bench.parse_shapes(["h3"]) == [(1, 37296, 56, 128)]
+    assert bench.parse_shapes(["cpu"])[-1] == (1, 8192, 16, 128)
+    with pytest.raises(Exception, match="B,T,H,D"):
+        bench.parse_shapes(["1,2,3"])
+
+
+def test_help_works(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for opt in ("--device", "--dtype", "--shapes", "--ratios", "--tail", "--repeats", "--warmup",
+                "--out", "--quick", "--backends", "--coarse-gate"):
+        assert opt in text, opt
+
+
+def test_bad_backend_name_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--backends"):
+        bench.main(["--quick", "--out", str(tmp_path), "--device", "cpu", "--backends", "nonesuch"])
+
+
+def test_tail_and_coarse_gate_rows(tmp_path):
+    rc = bench.main(["--device", "cpu", "--shapes", "1,192,1,32", "--ratios", "0.3", "--tail",
+                     "--coarse-gate", "--backends", "sdpa", "--repeats", "1", "--no-plot",
+                     "--out", str(tmp_path)])
+    assert rc == 0
+    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert [r["backend"] for r in rows] == ["sdpa", "sdpa"]              # dense left out on request
+    assert {r["tail"] for r in rows} == {"False", "True"}                # --tail adds tail rows
+    assert all(r["coarse_gate"] == "True" and r["speedup"] == "" for r in rows)
+    assert all(float(r["rel_l2"]) < 2e-2 for r in rows)
+    assert not (tmp_path / "bench.png").exists()
+
+
+def test_plot_skipped_without_matplotlib(monkeypatch, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)                  # import fails
+    cfg = bench.resolve(bench.build_parser().parse_args(["--quick", "--device", "cpu"]))
+    row = dict(backend="dense", B=1, T=64, H=1, D=16, ratio=0.1, tail=False, time_ms=1.0)
+    note = bench.write_plot([row], str(tmp_path / "x.png"), cfg)
+    assert "matplotlib" in note and not (tmp_path / "x.png").exists()
