@@ -11,20 +11,22 @@ One backend on one problem ``(B, T, H, D, dtype, topk_ratio, tail, coarse_gate)`
 
 - ``time_ms``: median of ``--repeats`` timed calls after ``--warmup`` untimed ones, with the
   device synchronised around each call (CUDA: events; XPU/MPS: ``synchronize`` + ``perf_counter``;
-  CPU: ``perf_counter``). A sparse row is the whole ``sol_attn(..., backend=name)`` call, routing
-  plan included; ``plan_ms`` is the median time of ``build_plan`` alone (part of ``time_ms``).
-  The dense row is ``F.scaled_dot_product_attention`` on contiguous ``(B, H, T, D)`` copies of
-  the same inputs (no layout copy is timed): the same problem without sparsity. It is timed once
-  per shape and repeated on each ratio's rows, so every group has its own baseline line.
-- ``speedup``: dense time / row time (same run, same inputs).
+  CPU: ``perf_counter``). The timed calls are interleaved: each round runs dense, then every
+  backend, once, so a drift in machine load hits all of them alike. A sparse row is the whole
+  ``sol_attn(..., backend=name)`` call, routing plan included; ``plan_ms`` is the median time of
+  ``build_plan`` alone (part of ``time_ms``). The dense row is ``F.scaled_dot_product_attention``
+  on contiguous ``(B, H, T, D)`` copies of the same inputs (no layout copy is timed): the same
+  problem without sparsity, re-timed in every (ratio, tail) group beside the sparse rows.
+- ``speedup``: median over rounds of (dense time / row time) within the same round.
 - ``peak_mib``: memory the call needed beyond what was held before it (the output included),
   measured on the last warm-up call. CUDA / XPU: ``max_memory_allocated`` after
   ``reset_peak_memory_stats`` minus ``memory_allocated`` before (basis ``allocator``). CPU (Linux):
   the peak of the resident set size, sampled every ~1 ms from ``/proc/self/statm`` by a background
-  thread, minus the RSS before the call; raised to ``ru_maxrss - RSS before`` when the process's
-  high-water mark grew during the call (then it is exact). Sampling can miss a short spike and
-  memory that the C allocator kept from earlier calls is reused without growing the RSS, so the
-  CPU figure is a lower bound (basis ``rss>=``). Elsewhere ``n/a``: no number that was not measured.
+  thread, minus the RSS before the call (freed heap is first returned to the OS with glibc's
+  ``malloc_trim``); raised to ``ru_maxrss - RSS before`` when the process's high-water mark grew
+  during the call (then it is exact). Sampling can miss a short spike and pages the C allocator
+  still holds are reused without growing the RSS, so the CPU figure is a lower bound (basis
+  ``rss>=``, printed with ``≥``). Elsewhere ``n/a``: no number that was not measured.
 - ``rel_l2``: ``||out - basis|| / ||basis||`` in float64. Basis ``reference``: the reference
   backend (SPEC.md literally, fp32) on the same inputs, when its memory guard lets it run this
   problem; else ``sdpa-fp32``: the portable backend run on fp32 copies of the inputs (the copies
@@ -169,6 +171,16 @@ def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def _release_freed_heap() -> None:
+    """Hand memory freed by earlier calls back to the OS (glibc ``malloc_trim``), so that this
+    call's allocations show up as RSS growth instead of silently reusing resident pages."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass   # not glibc: the figure stays a lower bound, as documented
+
+
 class _RssSampler:
     """Peak RSS seen by a background thread polling ``/proc/self/statm`` every ~1 ms."""
 
@@ -208,6 +220,7 @@ def measure_peak(fn: Callable[[], torch.Tensor], device: torch.device) -> Tuple[
         synchronize(device)
         return out, (mod.max_memory_allocated(device) - before) / 2**20, "allocator"
     if kind == "cpu" and _rss_bytes() is not None:
+        _release_freed_heap()
         before, maxrss_before = _rss_bytes(), _maxrss_bytes()
         with _RssSampler() as sampler:
             out = fn()
@@ -390,13 +403,11 @@ def resolve(args: argparse.Namespace) -> Config:
                   seed=args.seed, plot=not args.no_plot)
 
 
-def _measure(name: str, fn: Callable[[], torch.Tensor], cfg: Config):
-    """Warm-up (the last call measures memory and keeps its output), then the timed repeats."""
+def _prepare(fn: Callable[[], torch.Tensor], cfg: Config):
+    """Warm-up calls; the last one measures memory and keeps its output (for the error)."""
     for _ in range(cfg.warmup - 1):
         fn()
-    out, peak, peak_basis = measure_peak(fn, cfg.device)
-    times = time_calls(fn, cfg.device, cfg.repeats)
-    return out, statistics.median(times), peak, peak_basis
+    return measure_peak(fn, cfg.device)
 
 
 def _shape_str(shape: Shape) -> str:
@@ -404,6 +415,12 @@ def _shape_str(shape: Shape) -> str:
 
 
 def run(cfg: Config) -> List[dict]:
+    """Every problem: warm-up and memory per contender, then ``repeats`` interleaved rounds.
+
+    In each round every contender (dense first, then each backend) runs once, so a change in
+    machine load during the run hits dense and sparse alike; ``speedup`` is the median over
+    rounds of ``dense time / row time`` of the same round.
+    """
     rows: List[dict] = []
     dev, dt = cfg.device, cfg.dtype
     dname = DTYPE_NAMES[dt]
@@ -417,16 +434,14 @@ def run(cfg: Config) -> List[dict]:
             g = torch.Generator().manual_seed(cfg.seed + 1)
             gate = (torch.randn(B, T, H, D, generator=g) * 0.1).to(dtype=dt, device=dev)
 
-        dense_ms = dense_out = None
+        dense_fn = dense_out = qd = kd = vd = None
         dense_peak, dense_peak_basis = None, "n/a"
         if cfg.with_dense:
             qd, kd, vd = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-            log(f"dense SDPA {_shape_str(shape)} {dname}: {cfg.warmup} warm-up + {cfg.repeats} timed")
             dense_fn = lambda: F.scaled_dot_product_attention(qd, kd, vd)  # noqa: E731
-            o, dense_ms, dense_peak, dense_peak_basis = _measure(DENSE, dense_fn, cfg)
+            log(f"dense SDPA {_shape_str(shape)} {dname}: {cfg.warmup} warm-up (memory on the last)")
+            o, dense_peak, dense_peak_basis = _prepare(dense_fn, cfg)
             dense_out = o.transpose(1, 2)
-            del qd, kd, vd
-            log(f"  dense: {dense_ms:.2f} ms")
 
         for tail in cfg.tails:
             for ratio in cfg.ratios:
@@ -458,44 +473,60 @@ def run(cfg: Config) -> List[dict]:
                 plan_ms = statistics.median(plan_times)
                 del plan
 
-                base = dict(device=dev.type, dtype=dname, B=B, T=T, H=H, D=D, ratio=ratio, tail=tail,
-                            coarse_gate=cfg.coarse, repeats=cfg.repeats)
-                if dense_ms is not None:
-                    fl, by = flop_count(shape, None), bytes_moved(shape, elt, None, "dense")
-                    rows.append(dict(base, backend=DENSE, time_ms=dense_ms, plan_ms=None, speedup=1.0,
-                                     peak_mib=dense_peak, peak_basis=dense_peak_basis,
-                                     rel_l2=rel_l2(dense_out, basis), err_basis=f"{basis_name} (other op)",
-                                     kept_fraction=1.0, gflop=fl / 1e9, gb_moved=by / 1e9,
-                                     gflops=fl / dense_ms / 1e6, gbps=by / dense_ms / 1e6))
-
+                # contenders: name -> (fn, output of the memory call, peak, basis)
+                contenders: Dict[str, tuple] = {}
+                if dense_fn is not None:
+                    contenders[DENSE] = (dense_fn, None, dense_peak, dense_peak_basis)
                 for name in cfg.backends:
                     reasons = dispatch.get_backend(name).not_supported_reasons(problem)
                     if reasons:
                         log(f"{name} skipped at {tag}: {'; '.join(reasons)}")
                         cfg.skip(f"{name}: {'; '.join(reasons)}", tag)
                         continue
-                    log(f"{name} {tag}: {cfg.warmup} warm-up + {cfg.repeats} timed")
                     fn = lambda name=name: sol_attn(q, k, v, topk_ratio=ratio, tail=tail,  # noqa: E731
                                                     coarse_gate=gate, backend=name)
+                    log(f"{name} {tag}: {cfg.warmup} warm-up (memory on the last)")
                     try:
-                        out, ms, peak, peak_basis = _measure(name, fn, cfg)
+                        out, peak, peak_basis = _prepare(fn, cfg)
                     except Exception as exc:  # one failing backend must not lose the others' rows
                         log(f"{name} failed at {tag}: {type(exc).__name__}: {exc}")
                         cfg.skip(f"{name} failed: {type(exc).__name__}: {exc}", tag)
                         continue
+                    contenders[name] = (fn, rel_l2(out, basis), peak, peak_basis)
+                    del out
+
+                times: Dict[str, List[float]] = {name: [] for name in contenders}
+                for rnd in range(cfg.repeats):
+                    for name, (fn, *_rest) in contenders.items():
+                        times[name].extend(time_calls(fn, dev, 1))
+                    log(f"{tag} round {rnd + 1}/{cfg.repeats}: " + ", ".join(
+                        f"{name} {times[name][-1]:.1f} ms" for name in contenders))
+
+                base = dict(device=dev.type, dtype=dname, B=B, T=T, H=H, D=D, ratio=ratio, tail=tail,
+                            coarse_gate=cfg.coarse, repeats=cfg.repeats)
+                for name, (fn, err, peak, peak_basis) in contenders.items():
+                    ms = statistics.median(times[name])
+                    speedup = None
+                    if DENSE in times:
+                        speedup = statistics.median(d / t for d, t in zip(times[DENSE], times[name]))
+                    if name == DENSE:
+                        fl, by = flop_count(shape, None), bytes_moved(shape, elt, None, "dense")
+                        rows.append(dict(base, backend=DENSE, time_ms=ms, plan_ms=None, speedup=speedup,
+                                         peak_mib=peak, peak_basis=peak_basis,
+                                         rel_l2=rel_l2(dense_out, basis), err_basis=f"{basis_name} (other op)",
+                                         kept_fraction=1.0, gflop=fl / 1e9, gb_moved=by / 1e9,
+                                         gflops=fl / ms / 1e6, gbps=by / ms / 1e6))
+                        continue
                     fl = flop_count(shape, kept_pairs)
                     by = bytes_moved(shape, elt, kept_pairs, "sdpa" if name == "sdpa" else "fused")
-                    err = rel_l2(out, basis)
-                    del out
-                    rows.append(dict(base, backend=name, time_ms=ms, plan_ms=plan_ms,
-                                     speedup=(dense_ms / ms) if dense_ms is not None else None,
+                    rows.append(dict(base, backend=name, time_ms=ms, plan_ms=plan_ms, speedup=speedup,
                                      peak_mib=peak, peak_basis=peak_basis, rel_l2=err, err_basis=basis_name,
                                      kept_fraction=kept, gflop=fl / 1e9, gb_moved=by / 1e9,
                                      gflops=fl / ms / 1e6, gbps=by / ms / 1e6))
-                    sp = f", {dense_ms / ms:.2f}x dense" if dense_ms is not None else ""
+                    sp = f", {speedup:.2f}x dense" if speedup is not None else ""
                     log(f"  {name}: {ms:.2f} ms{sp}, rel. L2 {err:.2e} vs {basis_name}, kept {kept:.3f}")
-                del basis
-        del q, k, v, gate, dense_out
+                del basis, contenders
+        del q, k, v, gate, dense_out, dense_fn, qd, kd, vd
     return rows
 
 
@@ -592,7 +623,8 @@ def write_markdown(rows: List[dict], cfg: Config, path: str, plot_note: str) -> 
     lines += [f"- {k}: {v}" for k, v in environment(cfg).items()]
     lines += ["", markdown_table(rows), ""]
     lines += ["Columns: time is the median per call (sparse rows: the whole `sol_attn` call, routing "
-              "plan included; `plan ms` is that part alone). `vs dense` = dense time / row time. "
+              "plan included; `plan ms` is that part alone); timed calls are interleaved in rounds (dense, "
+              "then each backend). `vs dense` = median over rounds of dense time / row time. "
               "Peak MiB: extra memory of one call beyond what was held before it, output included "
               "(`≥`: CPU resident-set sampling, a lower bound). rel. L2 against the basis named; the "
               "dense row's error is against the sparse operator, i.e. what the sparsity changes.", ""]
