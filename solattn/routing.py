@@ -94,23 +94,35 @@ def block_means(x: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
     """Mean over the live rows of each 64-token block.
 
     ``x``: ``(B, T, H, D)`` any float dtype and strides; ``L``: ``(n,)`` int32.
-    Returns ``(B, H, n, D)`` fp32. Upcasts at most ``_POOL_CHUNK_BYTES`` at a time.
+    Returns ``(B, H, n, D)`` fp32. Sums read x in its own dtype and accumulate in fp32
+    (``sum(dtype=float32)``); only blocks with dead rows are masked, chunk by chunk, so
+    at most ``_POOL_CHUNK_BYTES`` of temporaries exist at a time.
     """
     B, T, H, D = x.shape
     n = L.shape[0]
-    live = live_token_mask(L).to(torch.float32) / L.to(torch.float32)[:, None]  # (n, 64) weights
+    live = live_token_mask(L)                                             # (n, 64)
     per_block = B * BLOCK * H * D * 4
     step = max(1, _POOL_CHUNK_BYTES // per_block)
-    parts = []
+    sums = []
     for b0 in range(0, n, step):
         b1 = min(n, b0 + step)
-        xs = x[:, b0 * BLOCK:min(b1 * BLOCK, T)].to(torch.float32)
-        pad = (b1 - b0) * BLOCK - xs.shape[1]
-        if pad:
-            xs = torch.nn.functional.pad(xs, (0, 0, 0, 0, 0, pad))
-        xs = xs.view(B, b1 - b0, BLOCK, H, D)
-        parts.append(torch.einsum("bjrhd,jr->bhjd", xs, live[b0:b1]))
-    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        t1 = min(b1 * BLOCK, T)
+        xs = x[:, b0 * BLOCK:t1]
+        if t1 - b0 * BLOCK < (b1 - b0) * BLOCK:                           # ragged last block
+            xs = torch.nn.functional.pad(xs, (0, 0, 0, 0, 0, (b1 - b0) * BLOCK - (t1 - b0 * BLOCK)))
+        xs = xs.unflatten(1, (b1 - b0, BLOCK))                            # (B, nb, 64, H, D)
+        if x.shape[1] % BLOCK == 0 and bool_all_live(L[b0:b1]):
+            sums.append(xs.sum(dim=2, dtype=torch.float32))
+        else:                                                             # dead rows contribute 0
+            w = live[b0:b1].to(x.dtype)[None, :, :, None, None]
+            sums.append((xs * w).sum(dim=2, dtype=torch.float32))
+    total = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]          # (B, n, H, D)
+    return (total / L.to(torch.float32)[None, :, None, None]).permute(0, 2, 1, 3)
+
+
+def bool_all_live(L: torch.Tensor) -> bool:
+    """True when every block in ``L`` is full (64 live rows). One host sync."""
+    return bool((L == BLOCK).all())
 
 
 def block_stats(problem: Problem) -> BlockStats:
@@ -176,7 +188,8 @@ def select_exact(problem: Problem, stats: BlockStats, topk_method: Optional[str]
         exact = R > thr[..., None]
     else:
         sinks = sink_mask(problem.sink_blocks, n, dev)
-        kk = topk_count(problem.topk_ratio, n - int(sinks.sum().item()))
+        n_sinks = problem.sink_blocks[1] - problem.sink_blocks[0] if problem.sink_blocks else 0
+        kk = topk_count(problem.topk_ratio, n - n_sinks)
         if kk > 0:
             cand = R.masked_fill(sinks, -math.inf)
             theta = kth_largest(cand, kk, topk_method or default_topk_method(dev, n))
@@ -196,15 +209,19 @@ def forced_blocks(problem: Problem, n: int, device) -> torch.Tensor:
 
 
 def indices_from_mask(exact: torch.Tensor):
-    """Dense ``(..., n)`` bool block mask -> ``(kv_num_blocks, kv_indices)`` int32, ascending, 0-padded."""
+    """Dense ``(..., n)`` bool block mask -> ``(kv_num_blocks, kv_indices)`` int32, ascending, 0-padded.
+
+    Each selected block j goes to column ``cumsum - 1`` of its row (elementwise, no sort);
+    unselected blocks go to a scratch column that is dropped. One host sync (the width M).
+    """
     n = exact.shape[-1]
     counts = exact.sum(dim=-1, dtype=torch.int32)
     M = max(1, int(counts.max().item())) if counts.numel() else 1
-    ar = torch.arange(n, device=exact.device, dtype=torch.int32)
-    keyed = torch.where(exact, ar, ar + n)  # selected blocks sort first, in ascending order
-    idx = keyed.sort(dim=-1).values[..., :M]
-    idx = torch.where(idx < n, idx, torch.zeros_like(idx))
-    return counts, idx.to(torch.int32).contiguous()
+    pos = torch.where(exact, exact.cumsum(dim=-1) - 1, M)                  # scratch column M
+    cols = torch.arange(n, device=exact.device, dtype=torch.int32).expand_as(exact)
+    idx = torch.zeros(*exact.shape[:-1], M + 1, dtype=torch.int32, device=exact.device)
+    idx.scatter_(-1, pos, cols)
+    return counts, idx[..., :M].contiguous()
 
 
 def make_plan(problem: Problem, stats: BlockStats, exact: torch.Tensor, tail: bool,

@@ -186,12 +186,22 @@ def sdpa_forward(p: Problem, plan: Plan, budget: Optional[int] = None) -> torch.
     out = _new_output((B * T * H + 1, D), dt, dev)   # last row: sink for rows past T
     counts = plan.kv_num_blocks.reshape(-1)             # (R,)
     indices = plan.kv_indices.reshape(R, -1).long()
-    for c in torch.unique(counts).tolist():
-        group = torch.nonzero(counts == c).squeeze(1)
+    # Query blocks are grouped by (count, needs a mask): equal counts need no padding, and
+    # blocks whose keys are all live and unbiased run the device's fastest (mask-free) kernel.
+    if bias_table is None:
+        needs_mask = torch.zeros_like(counts, dtype=torch.bool)
+    elif tail or p.key_bias is not None:
+        needs_mask = torch.ones_like(counts, dtype=torch.bool)
+    else:                                               # only dead rows: blocks that touch them
+        needs_mask = (plan.exact & (plan.block_len < BLOCK)).any(dim=-1).reshape(-1)
+    group_key = counts.long() * 2 + needs_mask.long()
+    for key in torch.unique(group_key).tolist():
+        c, masked = key // 2, bool(key % 2)
+        group = torch.nonzero(group_key == key).squeeze(1)
         L = c * BLOCK + (1 if tail else 0)              # keys per query block in this group
         per_row = (2 * L * D * elt                      # gathered keys and values
                    + 3 * BLOCK * D * 4                  # queries, output, SDPA accumulators
-                   + L * 4 * 2                          # mask and its index
+                   + (L * 4 * 2 if masked else 0)       # mask and its index
                    + L * 8 * 2                          # gather indices
                    + BLOCK * L * 4)                     # scores of a math fallback
         step = max(1, chunk_budget // per_row)
@@ -205,7 +215,7 @@ def sdpa_forward(p: Problem, plan: Plan, budget: Optional[int] = None) -> torch.
             k_idx = (b * ks[0] + h * ks[2])[:, None] + key_tok * ks[1]
             v_idx = k_idx if same_kv_index else (b * vs[0] + h * vs[2])[:, None] + key_tok * vs[1]
             m_idx = None
-            if bias_table is not None:
+            if masked:
                 bk = b if kbias.shape[0] > 1 else torch.zeros_like(b)
                 m_idx = (bk * (n * BLOCK))[:, None] + (blocks[:, :, None] * BLOCK
                                                        + torch.arange(BLOCK, device=dev)).reshape(nr, -1)
