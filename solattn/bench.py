@@ -608,11 +608,29 @@ def environment(cfg: Config) -> Dict[str, str]:
            "torch": torch.__version__, "python": platform.python_version(),
            "cpu threads (torch)": str(torch.get_num_threads()), "cpu cores": str(os.cpu_count()),
            "dtype": DTYPE_NAMES[cfg.dtype], "repeats": f"{cfg.warmup} warm-up + {cfg.repeats} timed (median)"}
+    env["solattn"] = _git_describe()
     try:
         env["load average (1, 5, 15 min) at the end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         pass
     return env
+
+
+def _git_describe() -> str:
+    """The solattn source commit (and whether the tree differs from it), when run from a checkout."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            raise OSError(head.stderr)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", here], cwd=here, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        from . import __version__
+        return f"{__version__} (not a git checkout)"
+    return f"git {head.stdout.strip()}" + (" + uncommitted changes under solattn/" if dirty else "")
 
 
 def write_markdown(rows: List[dict], cfg: Config, path: str, plot_note: str) -> None:
