@@ -46,7 +46,7 @@ one extra key per query block and the coarse branch, under 2 % at these sizes, n
     dense  = 4 * B * H * T * T * D
     sparse = 4 * P * 64 * 64 * D
 
-Bytes moved (a model of unavoidable traffic, not a measurement):
+Bytes moved (a model of the traffic each path implies, not a measurement):
 
     dense    = e * 4N                       read q, k, v; write out
     sdpa     = e * (3N + 3N + 6K + 3N)      routing reads q, k, v once (block means);
@@ -650,7 +650,7 @@ def write_markdown(rows: List[dict], cfg: Config, path: str, plot_note: str) -> 
         lines += ["Not run:", ""] + [f"- {s}" for s in cfg.skipped_lines()] + [""]
     if plot_note:
         lines += [plot_note, ""]
-    lines += ["## " + model.replace("--------------------\n", "")] if model else []
+    lines += ["## " + model.replace("--------------------\n", "\n")] if model else []
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
