@@ -21,4 +21,4 @@ def test_there_are_examples():
 def test_doc_example_runs(doc, i, code):
     if "comfy_kitchen" in code:
         pytest.importorskip("comfy_kitchen")
-    exec(compile(code, f"{doc.name}[{i}]", "exec"), {"__name__": f"doc_example_{i}"})
+    exec(compile(code, f"{doc.name}[{i}]", "exec"), {"__name__": "__main__"})

