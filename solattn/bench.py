@@ -58,9 +58,10 @@ Bytes moved (a model of the traffic each path implies, not a measurement):
                                             routing reads, q read, kept K/V read in place, out written
 
 ``K / N ~= kept_fraction * n``, so at long T the gather traffic (6K) dominates the portable
-backend's bytes while the FLOPs shrink with the kept fraction: ``gflops`` (achieved FLOP/s on
-the counted FLOPs) and ``gbps`` (achieved bytes/s on the modelled bytes) say which wall a row
-is closer to on the device at hand.
+backend's bytes while the FLOPs shrink with the kept fraction: ``gflops`` (achieved GFLOP/s on
+the counted FLOPs; the tables switch to TFLOP/s when a row reaches 1 TFLOP/s) and ``gbps``
+(achieved GB/s on the modelled bytes), both over the whole call, routing plan included, say which
+wall a row is closer to on the device at hand; subtract ``plan_ms`` for the backend alone.
 
 Input data: ``x = 0.5 * randn + 2 * block_offset`` (``randn`` per token, ``block_offset`` ``randn``
 per 64-token block and (b, h)), fixed seed. Block-level logits then spread with a standard deviation
@@ -559,21 +560,32 @@ TABLE = [("backend", "backend"), ("shape BxTxHxD", None), ("ratio", "ratio"), ("
          ("GFLOP/s", "gflops"), ("GB/s", "gbps")]
 
 
-def table_cells(row: dict) -> List[str]:
+def _tera(rows: List[dict]) -> bool:
+    """Show FLOP/s in TFLOP/s when some row reaches 1 TFLOP/s (GPUs), else GFLOP/s."""
+    return any((r.get("gflops") or 0) >= 1000 for r in rows)
+
+
+def table_head(rows: List[dict]) -> List[str]:
+    return [("TFLOP/s" if key == "gflops" and _tera(rows) else h) for h, key in TABLE]
+
+
+def table_cells(row: dict, tera: bool = False) -> List[str]:
     cells = []
     for _, key in TABLE:
         if key is None:
             cells.append(f"{row['B']}x{row['T']}x{row['H']}x{row['D']}")
         elif key == "peak_mib" and row["peak_mib"] is not None:
             cells.append(("≥" if row["peak_basis"] == "rss>=" else "") + _fmt(key, row[key]))
+        elif key == "gflops" and tera and row[key] is not None:
+            cells.append(f"{row[key] / 1000:.4g}")
         else:
             cells.append(_fmt(key, row[key]))
     return cells
 
 
 def text_table(rows: List[dict]) -> str:
-    head = [h for h, _ in TABLE]
-    body = [table_cells(r) for r in rows]
+    head = table_head(rows)
+    body = [table_cells(r, _tera(rows)) for r in rows]
     widths = [max(len(head[i]), *(len(b[i]) for b in body)) if body else len(head[i]) for i in range(len(head))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)),
              "  ".join("-" * w for w in widths)]
@@ -582,9 +594,9 @@ def text_table(rows: List[dict]) -> str:
 
 
 def markdown_table(rows: List[dict]) -> str:
-    head = [h for h, _ in TABLE]
+    head = table_head(rows)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
+    lines += ["| " + " | ".join(table_cells(r, _tera(rows))) + " |" for r in rows]
     return "\n".join(lines)
 
 
