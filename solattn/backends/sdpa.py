@@ -1,25 +1,30 @@
 """The ``sdpa`` (portable) backend: gather the kept key blocks, let the device's SDPA do the arithmetic.
 
-For a chunk of query blocks that keep the same number ``c`` of key blocks,
-the kept keys and values are gathered into contiguous ``(rows, c * 64, D)``
-tensors and handed to ``F.scaled_dot_product_attention`` (oneDNN on XPU,
-flash on CPU and CUDA, Metal on MPS). Grouping query blocks by their count
-means no padding and, when nothing needs masking, no mask at all, so the
-device's fastest kernel runs.
+Work proceeds per (batch, chunk of heads). The chunk's q, k and v are laid out
+as contiguous 64-row blocks ``(heads * n, 64, D)`` (one pass over them), so
+every gather below moves whole 16 KB blocks (bf16, D = 128) rather than
+256-byte rows: on an H200 a row gather ran at ~0.85 TB/s, block copies run near
+the copy bandwidth. Then, for each group of query blocks that keep the same
+number ``c`` of key blocks, the kept key and value blocks are gathered into
+contiguous ``(rows, c * 64, D)`` tensors and handed to
+``F.scaled_dot_product_attention`` (oneDNN on XPU, flash on CPU, cuDNN/flash
+on CUDA, Metal on MPS). Equal counts need no padding and, when nothing needs
+masking, no mask, so the device's fastest kernel runs.
 
-- Gathers read rows straight out of the caller's tensors through a strided
-  ``(rows, D)`` view of their storage: no layout copy of q, k or v is made for
-  any input whose last dim is contiguous (BTHD, BHTD-transposed, sliced).
-- The pooled tail enters the same SDPA call as one extra key per query block
-  whose mask entry is ``tail_lse`` and whose value is ``tail_value``
-  (SPEC.md, DESIGN.md); its key is the centroid ``m``, which accounts for the
-  centring of the exact keys without copying them.
+- The pooled tail enters the same SDPA call as one extra key block per query
+  block (SPEC.md, DESIGN.md): its row 0 has the centroid ``m`` as key, the
+  tail's mean value as value and ``tail_lse`` as mask entry; its other rows
+  are masked. With the centroid as key, ``scale q_t . m + tail_lse`` against
+  the uncentred exact logits ``scale q_t . k_u`` equals ``tail_lse`` against
+  the centred ones, so the exact keys need no centring.
 - ``block_len``, ragged last blocks and ``key_bias`` become an additive key
-  mask broadcast over the query rows.
-- Working memory (gathers, masks, SDPA scratch) is bounded by sizing the chunk
-  of query blocks from a byte budget; nothing of size T x T or T x n exists.
-- Every op is a differentiable torch op, so autograd flows through q, k, v
-  and coarse_gate with the selection held constant.
+  mask broadcast over the query rows, only for the query blocks that need it.
+- Working memory is bounded by a byte budget: half for the chunk's block
+  layouts (sizing the chunk of heads), half for the gathers (sizing the chunk
+  of query blocks); nothing of size T x T or T x n exists.
+- In inference the scratch buffers are reused between chunks; with gradients
+  every op is an ordinary differentiable torch op, so autograd flows through
+  q, k, v and coarse_gate with the selection held constant.
 """
 
 from __future__ import annotations
@@ -60,30 +65,6 @@ def memory_budget() -> int:
 def _new_output(shape, dtype, device) -> torch.Tensor:
     """The output buffer every element of which the backend writes (tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _row_table(x: torch.Tensor):
-    """A ``(rows, D)`` view of x's storage in which token ``(b, t, h)`` is row
-    ``(b * sB + t * sT + h * sH) // g``; returns ``(table, (sB, sT, sH) // g)``.
-
-    Needs a unit stride on D; other tensors are made contiguous first (one copy).
-    """
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    sB, sT, sH, _ = x.stride()
-    B, T, H, D = x.shape
-    g = 0
-    for s, size in ((sB, B), (sT, T), (sH, H)):
-        if size > 1:
-            g = math.gcd(g, s)
-    g = g or D
-    if g < D:  # rows would overlap (exotic strides): use a plain layout
-        x = x.contiguous()
-        sB, sT, sH, _ = x.stride()
-        g = D
-    rows = ((B - 1) * sB + (T - 1) * sT + (H - 1) * sH) // g + 1
-    table = torch.as_strided(x, (rows, D), (g, 1), x.storage_offset())
-    return table, (sB // g, sT // g, sH // g)
 
 
 def _mask_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -131,23 +112,44 @@ _CHUNK_CAP = {"cpu": 32 << 20}
 
 
 class _Workspace:
-    """Flat scratch buffers reused by every chunk of one call (inference only: ``out=`` ops
-    do not record autograd, so with gradients each chunk allocates its own tensors)."""
+    """Scratch buffers reused by every chunk of one call in inference. With gradients
+    (``enabled=False``) every request allocates, since ``out=`` ops do not record autograd."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.buffers = {}
 
+    def empty(self, name: str, shape, dtype, device) -> torch.Tensor:
+        numel = math.prod(shape)
+        if not self.enabled:
+            return torch.empty(shape, dtype=dtype, device=device)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
     def gather(self, name: str, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``table.index_select(0, index)``, written into a reused buffer when enabled."""
         if not self.enabled:
             return table.index_select(0, index)
-        numel = index.numel() * table.shape[1]
+        shape = (index.numel(),) + tuple(table.shape[1:])
+        numel = math.prod(shape)
         buf = self.buffers.get(name)
-        if buf is None or buf.numel() < numel:
+        if buf is None or buf.numel() < numel or buf.dtype != table.dtype:
             buf = self.buffers[name] = torch.empty(numel, dtype=table.dtype, device=table.device)
-        out = buf[:numel].view(index.numel(), table.shape[1])
-        return torch.index_select(table, 0, index, out=out)
+        return torch.index_select(table, 0, index, out=buf[:numel].view(shape))
+
+
+def _blocked(work: _Workspace, name: str, x: torch.Tensor, n: int, extra_blocks: int) -> torch.Tensor:
+    """``x``: ``(T, nh, D)`` (one batch, a chunk of heads, any strides) -> ``(nh * n + extra_blocks,
+    64, D)`` contiguous: head-major 64-row blocks, rows past T zero, then zeroed extra blocks."""
+    T, nh, D = x.shape
+    buf = work.empty(name, (nh * n + extra_blocks, BLOCK, D), x.dtype, x.device)
+    layout = buf[:nh * n].view(nh, n * BLOCK, D)
+    layout[:, :T].copy_(x.transpose(0, 1))
+    layout[:, T:].zero_()
+    buf[nh * n:].zero_()
+    return buf
 
 
 def sdpa_forward(p: Problem, plan: Plan, budget: Optional[int] = None) -> torch.Tensor:
@@ -155,78 +157,86 @@ def sdpa_forward(p: Problem, plan: Plan, budget: Optional[int] = None) -> torch.
     B, T, H, D, n = p.B, p.T, p.H, p.D, p.n
     dev, dt = p.device, p.dtype
     budget = budget or _budget
-    R = B * H * n
-    qt, qs = _row_table(p.q)
-    kt, ks = _row_table(p.k)
-    vt, vs = _row_table(p.v)
-    kbias = _key_token_bias(p, plan)                    # (Bk, n, 64) or None
-    tail = plan.tail_lse is not None
-    if tail:
-        # The pooled tail is one extra key per query block, stored after the token rows. Its key
-        # is the centroid m: scale q_t . m + tail_lse against the uncentred exact logits
-        # scale q_t . k_u equals tail_lse against the centred ones, so keys need no centring copy.
-        k_tail_row, v_tail_row = kt.shape[0], vt.shape[0]
-        kt = torch.cat([kt, plan.key_mean.to(dt).expand(B, H, n, D).reshape(R, D)])
-        vt = torch.cat([vt, plan.tail_value.reshape(R, D).to(dt)])
-        if kbias is None:
-            kbias = torch.zeros(1, n, BLOCK, dtype=torch.float32, device=dev)
-        bias_table = torch.cat([kbias.reshape(-1), plan.tail_lse.reshape(R)])
-    else:
-        bias_table = kbias.reshape(-1) if kbias is not None else None
-    same_kv_index = ks == vs and (not tail or k_tail_row == v_tail_row)
-    mdt = _mask_dtype(dev, dt)
     elt = torch.finfo(dt).bits // 8
+    tail = plan.tail_lse is not None
+    kbias = _key_token_bias(p, plan)                    # (Bk, n, 64) fp32 or None
+    masked_any = kbias is not None or tail
+    mdt = _mask_dtype(dev, dt)
     work = _Workspace(enabled=not p.requires_grad)
-    chunk_budget = min(budget, _CHUNK_CAP.get(dev.type, budget))
+    # half the budget for the block layouts of a chunk of heads (q, k, v, out, tail values)
+    per_head = n * BLOCK * D * elt * (5 if tail else 4) + (n * BLOCK * 4 * 2 if masked_any else 0)
+    heads_per_chunk = max(1, min(H, (budget // 2) // per_head))
+    gather_budget = min(budget // 2, _CHUNK_CAP.get(dev.type, budget))
+    dead_block = plan.block_len < BLOCK                                       # (n,)
+    out = _new_output((B, T, H, D), dt, dev)
+    for b in range(B):
+        for h0 in range(0, H, heads_per_chunk):
+            h1 = min(H, h0 + heads_per_chunk)
+            _attend_head_chunk(p, plan, b, h0, h1, out, kbias, dead_block, tail, mdt, elt,
+                               gather_budget, work)
+    if plan.coarse is not None and p.coarse_gate is not None:
+        out = _add_coarse(out, p.coarse_gate, plan.coarse, budget)
+    return out
 
-    # token offsets of every 64-row block, clamped into the sequence (rows past T read token
-    # T-1: as keys they are masked, as queries their outputs go to a sink row)
-    blk_tok = (torch.arange(n, device=dev)[:, None] * BLOCK
-               + torch.arange(BLOCK, device=dev)).clamp_max(T - 1)             # (n, 64)
-    out = _new_output((B * T * H + 1, D), dt, dev)   # last row: sink for rows past T
-    counts = plan.kv_num_blocks.reshape(-1)             # (R,)
-    indices = plan.kv_indices.reshape(R, -1).long()
-    # Query blocks are grouped by (count, needs a mask): equal counts need no padding, and
-    # blocks whose keys are all live and unbiased run the device's fastest (mask-free) kernel.
-    if bias_table is None:
-        needs_mask = torch.zeros_like(counts, dtype=torch.bool)
+
+def _attend_head_chunk(p, plan, b, h0, h1, out, kbias, dead_block, tail, mdt, elt, gather_budget, work):
+    """Every query block of batch ``b``, heads ``[h0, h1)``: block layouts, then grouped SDPA calls."""
+    T, D, n, dev = p.T, p.D, p.n, p.device
+    nh = h1 - h0
+    R = nh * n                                           # query blocks in this chunk: row = hl * n + i
+    # K table: the chunk's key blocks, then one tail block per head (row 0 = centroid m).
+    # V table: the value blocks, then one tail block per query block (row 0 = tail mean value).
+    qb = _blocked(work, "q", p.q[b, :, h0:h1], n, 0)
+    kb = _blocked(work, "k", p.k[b, :, h0:h1], n, nh if tail else 0)
+    vb = _blocked(work, "v", p.v[b, :, h0:h1], n, R if tail else 0)
+    ob = work.empty("o", (R, BLOCK, D), p.dtype, dev) if work.enabled else None  # every row written
+    mask_table = None
+    if kbias is not None or tail:
+        mask_table = (kbias[b if kbias.shape[0] > 1 else 0] if kbias is not None
+                      else torch.zeros(n, BLOCK, dtype=torch.float32, device=dev))
+    if tail:
+        kb[R:, 0] = plan.key_mean[b, h0:h1, 0].to(p.dtype)
+        vb[R:, 0] = plan.tail_value[b, h0:h1].reshape(R, D).to(p.dtype)
+        tail_rows = torch.full((R, BLOCK), -math.inf, dtype=torch.float32, device=dev)
+        tail_rows[:, 0] = plan.tail_lse[b, h0:h1].reshape(R)
+        mask_table = torch.cat([mask_table, tail_rows])  # key block j -> row j; tail of r -> n + r
+
+    counts = plan.kv_num_blocks[b, h0:h1].reshape(R)
+    indices = plan.kv_indices[b, h0:h1].reshape(R, -1).long()
+    if mask_table is None:
+        needs_mask = torch.zeros(R, dtype=torch.bool, device=dev)
     elif tail or p.key_bias is not None:
-        needs_mask = torch.ones_like(counts, dtype=torch.bool)
-    else:                                               # only dead rows: blocks that touch them
-        needs_mask = (plan.exact & (plan.block_len < BLOCK)).any(dim=-1).reshape(-1)
+        needs_mask = torch.ones(R, dtype=torch.bool, device=dev)
+    else:                                                # only dead rows: blocks that touch them
+        needs_mask = (plan.exact[b, h0:h1] & dead_block).any(dim=-1).reshape(R)
     group_key = counts.long() * 2 + needs_mask.long()
+    head_base = (torch.arange(R, device=dev) // n) * n   # first key block of each row's head
+    outputs = []
     for key in torch.unique(group_key).tolist():
         c, masked = key // 2, bool(key % 2)
         group = torch.nonzero(group_key == key).squeeze(1)
-        L = c * BLOCK + (1 if tail else 0)              # keys per query block in this group
+        nb = c + (1 if tail else 0)                      # key blocks per query block in this group
+        L = nb * BLOCK
         per_row = (2 * L * D * elt                      # gathered keys and values
                    + 3 * BLOCK * D * 4                  # queries, output, SDPA accumulators
-                   + (L * 4 * 2 if masked else 0)       # mask and its index
-                   + L * 8 * 2                          # gather indices
+                   + (L * 4 * 2 if masked else 0)       # mask
                    + BLOCK * L * 4)                     # scores of a math fallback
-        step = max(1, chunk_budget // per_row)
+        step = max(1, gather_budget // per_row)
         for r0 in range(0, group.shape[0], step):
-            rows = group[r0:r0 + step]                  # flat (b, h, i) query-block ids
+            rows = group[r0:r0 + step]
             nr = rows.shape[0]
-            b, h, i = rows // (H * n), (rows // n) % H, rows % n
-            blocks = indices[rows, :c]                                             # (nr, c)
-            key_tok = blk_tok[blocks].reshape(nr, c * BLOCK)                      # (nr, c*64)
-            q_idx = ((b * qs[0] + h * qs[2])[:, None] + blk_tok[i] * qs[1]).reshape(-1)
-            k_idx = (b * ks[0] + h * ks[2])[:, None] + key_tok * ks[1]
-            v_idx = k_idx if same_kv_index else (b * vs[0] + h * vs[2])[:, None] + key_tok * vs[1]
-            m_idx = None
-            if masked:
-                bk = b if kbias.shape[0] > 1 else torch.zeros_like(b)
-                m_idx = (bk * (n * BLOCK))[:, None] + (blocks[:, :, None] * BLOCK
-                                                       + torch.arange(BLOCK, device=dev)).reshape(nr, -1)
+            blocks = indices[rows, :c]                                          # (nr, c)
+            k_idx = head_base[rows, None] + blocks
+            v_idx = k_idx
+            m_idx = blocks
             if tail:
-                k_idx = torch.cat([k_idx, (k_tail_row + rows)[:, None]], dim=1)
-                v_idx = k_idx if same_kv_index else torch.cat([v_idx, (v_tail_row + rows)[:, None]], dim=1)
-                m_idx = torch.cat([m_idx, (kbias.numel() + rows)[:, None]], dim=1)
-            q = work.gather("q", qt, q_idx).view(nr, 1, BLOCK, D)
-            k = work.gather("k", kt, k_idx.reshape(-1)).view(nr, 1, L, D)
-            v = work.gather("v", vt, v_idx.reshape(-1)).view(nr, 1, L, D)
-            mask = bias_table.index_select(0, m_idx.reshape(-1)).view(nr, L) if m_idx is not None else None
+                k_idx = torch.cat([k_idx, (R + rows // n)[:, None]], dim=1)
+                v_idx = torch.cat([v_idx, (R + rows)[:, None]], dim=1)
+                m_idx = torch.cat([m_idx, (n + rows)[:, None]], dim=1)
+            q = work.gather("gq", qb, rows).view(nr, 1, BLOCK, D)
+            k = work.gather("gk", kb, k_idx.reshape(-1)).view(nr, 1, L, D)
+            v = work.gather("gv", vb, v_idx.reshape(-1)).view(nr, 1, L, D)
+            mask = mask_table.index_select(0, m_idx.reshape(-1)).view(nr, L) if masked else None
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if mask is None else mask.to(mdt)[:, None, None, :],
                 scale=p.scale).view(nr, BLOCK, D)
@@ -234,15 +244,16 @@ def sdpa_forward(p: Problem, plan: Plan, budget: Optional[int] = None) -> torch.
                 dead = torch.isneginf(mask).all(dim=1)  # every term -inf: SPEC says 0, not NaN
                 if bool(dead.any()):
                     o = torch.where(dead[:, None, None], torch.zeros_like(o), o)
-            tq = i[:, None] * BLOCK + torch.arange(BLOCK, device=dev)
-            dst = torch.where(tq < T, (b[:, None] * T + tq) * H + h[:, None], B * T * H)
-            out.index_copy_(0, dst.reshape(-1), o.reshape(-1, D))
+            if ob is not None:
+                ob.index_copy_(0, rows, o)
+            else:
+                outputs.append((rows, o))
             del q, k, v, o, mask  # free this chunk's gathers before the next chunk allocates its own
-
-    out = out[:-1].view(B, T, H, D)
-    if plan.coarse is not None and p.coarse_gate is not None:
-        out = _add_coarse(out, p.coarse_gate, plan.coarse, budget)
-    return out
+    if ob is None:                                       # autograd: one differentiable scatter
+        rows = torch.cat([r for r, _ in outputs])
+        ob = torch.zeros(R, BLOCK, D, dtype=p.dtype, device=dev).index_copy(
+            0, rows, torch.cat([o for _, o in outputs]))
+    out[b, :, h0:h1] = ob.view(nh, n * BLOCK, D)[:, :T].transpose(0, 1)
 
 
 def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, budget: int) -> torch.Tensor:
