@@ -90,46 +90,45 @@ def live_token_mask(L: torch.Tensor) -> torch.Tensor:
     return torch.arange(BLOCK, device=L.device)[None, :] < L[:, None]
 
 
-def block_means(x: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+def block_means(x: torch.Tensor, L: torch.Tensor, all_live: bool = False) -> torch.Tensor:
     """Mean over the live rows of each 64-token block.
 
-    ``x``: ``(B, T, H, D)`` any float dtype and strides; ``L``: ``(n,)`` int32.
+    ``x``: ``(B, T, H, D)`` any float dtype and strides; ``L``: ``(n,)`` int32; ``all_live``:
+    the caller knows every row before T is live (no ``block_len``), so no mask is applied.
     Returns ``(B, H, n, D)`` fp32. Sums read x in its own dtype and accumulate in fp32
-    (``sum(dtype=float32)``); only blocks with dead rows are masked, chunk by chunk, so
-    at most ``_POOL_CHUNK_BYTES`` of temporaries exist at a time.
+    (``sum(dtype=float32)``); masking (dead rows) works chunk by chunk, so at most
+    ``_POOL_CHUNK_BYTES`` of temporaries exist at a time. No host synchronisation.
     """
     B, T, H, D = x.shape
     n = L.shape[0]
-    live = live_token_mask(L)                                             # (n, 64)
-    per_block = B * BLOCK * H * D * 4
-    step = max(1, _POOL_CHUNK_BYTES // per_block)
+    full = T // BLOCK                                                     # blocks with 64 rows in x
     sums = []
-    for b0 in range(0, n, step):
-        b1 = min(n, b0 + step)
-        t1 = min(b1 * BLOCK, T)
-        xs = x[:, b0 * BLOCK:t1]
-        if t1 - b0 * BLOCK < (b1 - b0) * BLOCK:                           # ragged last block
-            xs = torch.nn.functional.pad(xs, (0, 0, 0, 0, 0, (b1 - b0) * BLOCK - (t1 - b0 * BLOCK)))
-        xs = xs.unflatten(1, (b1 - b0, BLOCK))                            # (B, nb, 64, H, D)
-        if x.shape[1] % BLOCK == 0 and bool_all_live(L[b0:b1]):
-            sums.append(xs.sum(dim=2, dtype=torch.float32))
-        else:                                                             # dead rows contribute 0
-            w = live[b0:b1].to(x.dtype)[None, :, :, None, None]
-            sums.append((xs * w).sum(dim=2, dtype=torch.float32))
+    if all_live:
+        if full:
+            sums.append(x[:, :full * BLOCK].unflatten(1, (full, BLOCK)).sum(dim=2, dtype=torch.float32))
+        if full < n:                                                      # ragged last block
+            sums.append(x[:, full * BLOCK:].sum(dim=1, keepdim=True, dtype=torch.float32))
+    else:
+        live = live_token_mask(L)                                         # (n, 64)
+        step = max(1, _POOL_CHUNK_BYTES // (B * BLOCK * H * D * 4))
+        for b0 in range(0, n, step):
+            b1 = min(n, b0 + step)
+            xs = x[:, b0 * BLOCK:min(b1 * BLOCK, T)]
+            pad = (b1 - b0) * BLOCK - xs.shape[1]
+            if pad:                                                       # ragged last block
+                xs = torch.nn.functional.pad(xs, (0, 0, 0, 0, 0, pad))
+            w = live[b0:b1].to(x.dtype)[None, :, :, None, None]          # dead rows contribute 0
+            sums.append((xs.unflatten(1, (b1 - b0, BLOCK)) * w).sum(dim=2, dtype=torch.float32))
     total = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]          # (B, n, H, D)
     return (total / L.to(torch.float32)[None, :, None, None]).permute(0, 2, 1, 3)
 
 
-def bool_all_live(L: torch.Tensor) -> bool:
-    """True when every block in ``L`` is full (64 live rows). One host sync."""
-    return bool((L == BLOCK).all())
-
-
 def block_stats(problem: Problem) -> BlockStats:
     L = live_lengths(problem)
-    qm = block_means(problem.q, L)
-    km = block_means(problem.k, L)
-    vm = block_means(problem.v, L)
+    all_live = problem.block_len is None
+    qm = block_means(problem.q, L, all_live)
+    km = block_means(problem.k, L, all_live)
+    vm = block_means(problem.v, L, all_live)
     return BlockStats(qm=qm, km=km, vm=vm, m=km.mean(dim=2, keepdim=True), L=L)
 
 
