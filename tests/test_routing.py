@@ -1,0 +1,110 @@
+"""The routing plan: its form, the XPU-safe top-k path, and agreement with the definition."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import solattn
+from solattn import routing
+from conftest import make_qkv
+
+
+def _plan(kw, seed=0, T=700, method=None):
+    q, k, v = make_qkv(2, T, 3, 16, seed=seed)
+    p = solattn.validate(q, k, v, **kw)
+    return p, routing.build_plan(p, topk_method=method)
+
+
+@pytest.mark.parametrize("kw", [dict(topk_ratio=0.3), dict(tau=0.4), dict(topk_ratio=0.2, sink_blocks=(0, 2)),
+                                dict(tau=0.0, sink_q=(3, 5), tail=False)])
+def test_plan_form_matches_its_dense_mask(kw):
+    p, plan = _plan(kw)
+    B, H, n = p.B, p.H, p.n
+    assert plan.kv_num_blocks.shape == (B, H, n) and plan.kv_num_blocks.dtype == torch.int32
+    assert plan.kv_indices.dtype == torch.int32 and plan.kv_indices.shape[:3] == (B, H, n)
+    assert plan.kv_indices.shape[3] == int(plan.kv_num_blocks.max())
+    assert torch.equal(plan.kv_num_blocks, plan.exact.sum(-1).int())
+    for b in range(B):
+        for h in range(H):
+            for i in range(n):
+                c = int(plan.kv_num_blocks[b, h, i])
+                idx = plan.kv_indices[b, h, i, :c].tolist()
+                assert idx == sorted(idx) and len(set(idx)) == c           # ascending, unique
+                assert idx == torch.nonzero(plan.exact[b, h, i]).squeeze(1).tolist()
+                assert plan.kv_indices[b, h, i, c:].eq(0).all()              # zero padding
+                assert all(abs(i - j) > 1 or j in idx for j in range(n))      # neighbours forced
+    assert (plan.tail_lse is None) == (not p.tail)
+
+
+def test_sort_path_gives_the_same_plan_as_topk():
+    for kw in (dict(topk_ratio=0.3), dict(topk_ratio=0.1, sink_blocks=(2, 4))):
+        _, a = _plan(kw, method="topk")
+        _, b = _plan(kw, method="sort")
+        assert torch.equal(a.kv_indices, b.kv_indices) and torch.equal(a.kv_num_blocks, b.kv_num_blocks)
+
+
+def test_topk_method_defaults_and_env_override(monkeypatch):
+    monkeypatch.delenv("SOLATTN_TOPK", raising=False)
+    assert routing.default_topk_method(torch.device("xpu"), 100) == "sort"     # XPU: never torch.topk
+    assert routing.default_topk_method(torch.device("cpu"), 100) == "topk"
+    assert routing.default_topk_method(torch.device("cuda"), 5000) == "sort"   # rows > 4096 elements
+    monkeypatch.setenv("SOLATTN_TOPK", "sort")
+    assert routing.default_topk_method(torch.device("cpu"), 100) == "sort"
+    monkeypatch.setenv("SOLATTN_TOPK", "heap")
+    with pytest.raises(ValueError, match="SOLATTN_TOPK"):
+        routing.default_topk_method(torch.device("cpu"), 100)
+
+
+def test_forced_sort_path_end_to_end_matches_reference(monkeypatch):
+    monkeypatch.setenv("SOLATTN_TOPK", "sort")
+    q, k, v = make_qkv(1, 500, 2, 32, dtype=torch.bfloat16, seed=4)
+    got = solattn.sol_attn(q, k, v, topk_ratio=0.25, backend="sdpa")
+    want = solattn.sol_attn(q, k, v, topk_ratio=0.25, backend="reference")
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+def test_kth_largest_methods_agree_and_reject_unknown():
+    x = torch.randn(4, 300)
+    for kk in (1, 7, 300):
+        assert torch.equal(routing.kth_largest(x, kk, "topk"), routing.kth_largest(x, kk, "sort"))
+    with pytest.raises(ValueError, match="'method'"):
+        routing.kth_largest(x, 1, "heap")
+
+
+@pytest.mark.parametrize("r,n_eff,kk", [(0.5, 1, 0), (0.5, 0, 0), (0.25, 10, 2), (0.35, 10, 4), (0.45, 10, 4),
+                                        (0.01, 10, 1), (0.99, 10, 9), (0.3125, 8, 2), (0.375, 8, 3)])
+def test_topk_count_rounds_half_to_even_and_clamps(r, n_eff, kk):
+    assert routing.topk_count(r, n_eff) == kk
+
+
+def test_block_means_over_live_rows_only():
+    x = torch.randn(2, 150, 3, 4)
+    L = torch.tensor([10, 64, 22], dtype=torch.int32)
+    got = routing.block_means(x, L)
+    for j, (start, length) in enumerate([(0, 10), (64, 64), (128, 22)]):
+        want = x[:, start:start + length].mean(1)                              # (B, H, D)
+        assert torch.allclose(got[:, :, j], want, atol=1e-6)
+    full = routing.block_means(x, torch.tensor([64, 64, 22], dtype=torch.int32), all_live=True)
+    masked = routing.block_means(x, torch.tensor([64, 64, 22], dtype=torch.int32), all_live=False)
+    assert torch.allclose(full, masked, atol=1e-6)
+
+
+def test_tail_terms_equal_their_definition():
+    p, plan = _plan(dict(topk_ratio=0.3), T=300)
+    st = routing.block_stats(p)
+    kmc = st.km - st.m
+    logw = p.scale * st.qm @ kmc.transpose(-1, -2) + torch.log(st.L.float())
+    for b in range(p.B):
+        for h in range(p.H):
+            for i in range(p.n):
+                out = ~plan.exact[b, h, i]
+                if not out.any():
+                    assert math.isinf(plan.tail_lse[b, h, i].item())
+                    continue
+                w = logw[b, h, i, out]
+                assert torch.allclose(plan.tail_lse[b, h, i], torch.logsumexp(w, 0), atol=1e-5)
+                want = (torch.softmax(w, 0)[:, None] * st.vm[b, h, out]).sum(0)
+                assert torch.allclose(plan.tail_value[b, h, i], want, atol=1e-5)
