@@ -249,3 +249,21 @@ def test_sdpa_memory_budget_validation():
     assert sdpamod.memory_budget() == 123456
     sdpamod.set_memory_budget(None)
     assert sdpamod.memory_budget() == 1 << 30
+
+
+@pytest.mark.parametrize("feature", ["topk", "tau", "key_bias", "bool_bias", "block_len", "everything"])
+def test_sdpa_masks_in_input_dtype_as_on_gpus(feature, monkeypatch):
+    """The mask-dtype branch taken on CUDA/XPU/MPS (mask in q's dtype), forced on the CPU: results
+    match the reference, and the tail stays as precise as with fp32 masks."""
+    from solattn.backends import sdpa as sdpamod
+    B, T, H, D = 2, 700, 2, 64
+    q, k, v = make_qkv(B, T, H, D, dtype=torch.bfloat16, seed=11)
+    feats, bl = _features(B, T, H, D, "cpu", torch.bfloat16, seed=3)
+    kw = feats[feature]
+    want = solattn.sol_attn(q, k, v, backend="reference", **kw)
+    fp32 = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
+    monkeypatch.setattr(sdpamod, "_FP32_MASK_DEVICES", frozenset())
+    got = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
+    live = _live_rows(T, bl) if "block_len" in kw else torch.ones(T, dtype=torch.bool)
+    err, err32 = rel_l2(got[:, live], want[:, live]), rel_l2(fp32[:, live], want[:, live])
+    assert err < 1e-2 and err < 1.5 * err32 + 1e-4, (err, err32)

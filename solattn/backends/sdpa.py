@@ -67,16 +67,31 @@ def _new_output(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-#: Device types whose SDPA was seen to take an fp32 additive mask with bf16/fp16 inputs at no
-#: extra cost (CPU: torch 2.13; CUDA: torch 2.11 on an H200, cuDNN kernel, 0.177 vs 0.178 ms).
-#: A bf16 mask rounds the tail's log-weight (~10) to 1/16, which alone gave 1.5e-2 relative error.
-_FP32_MASK_DEVICES = frozenset({"cpu", "cuda"})
+#: Device types whose SDPA computes correctly with an fp32 additive mask on bf16/fp16 inputs.
+#: CUDA is not one: torch 2.11 on an H200 accepted an fp32 mask but returned NaN and wrong rows
+#: once it held -inf (22 GPU tests failed); XPU and MPS were never run. Elsewhere the mask takes
+#: q's dtype, and the tail's log-weight is re-centred so that bf16 rounding does not bite
+#: (see ``_shift_for_precision``).
+_FP32_MASK_DEVICES = frozenset({"cpu"})
 
 
 def _mask_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """Additive masks in fp32 where the device's SDPA is known to accept them, else q's dtype
-    (XPU and MPS: not verified on hardware, so the dtype every SDPA accepts)."""
+    """Additive masks in fp32 where the device's SDPA is known to handle them, else q's dtype."""
     return torch.float32 if device.type in _FP32_MASK_DEVICES else dtype
+
+
+def _shift_for_precision(mask: torch.Tensor, tail_lse: torch.Tensor, mdt: torch.dtype) -> torch.Tensor:
+    """Subtract from each query block's mask row its ``tail_lse`` rounded to ``mdt``.
+
+    A softmax does not change when every logit of a row moves by one constant. After the shift
+    the tail entry is the small residual ``tail_lse - round(tail_lse)``, held precisely, and an
+    unbiased exact key's entry is ``-round(tail_lse)``, exactly representable: rounding the mask
+    to bf16 then no longer shifts the tail's weight against the exact keys (a bf16 tail_lse of
+    ~10 is off by up to 1/32, which alone gave 1.5e-2 relative error on an H200).
+    """
+    c = tail_lse.to(mdt).to(torch.float32)
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+    return mask - c[:, None]
 
 
 class SdpaBackend(Backend):
@@ -244,6 +259,8 @@ def _attend_head_chunk(p, plan, b, h0, h1, out, kbias, dead_block, tail, mdt, el
             k = work.gather("gk", kb, k_idx.reshape(-1)).view(nr, 1, L, D)
             v = work.gather("gv", vb, v_idx.reshape(-1)).view(nr, 1, L, D)
             mask = mask_table.index_select(0, m_idx.reshape(-1)).view(nr, L) if masked else None
+            if tail and mdt != torch.float32:
+                mask = _shift_for_precision(mask, mask[:, -BLOCK], mdt)  # column of the tail key
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if mask is None else mask.to(mdt)[:, None, None, :],
                 scale=p.scale).view(nr, BLOCK, D)
