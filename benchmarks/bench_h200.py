@@ -274,7 +274,7 @@ def main_table(shapes, cfg):
                          tflops=dense_flops / dense_ms / 1e9, kept=1.0, mem_mib=dense_mem, rel_l2=""))
         say(f"  {label} dense sdpa {dense_ms:.3f} ms ({dense_flops / dense_ms / 1e9:.0f} TFLOP/s)")
         heads = None if reference.estimated_bytes(B, H, T) < 24 << 30 else 1
-        reference.set_memory_budget(48 << 30)
+        solattn.set_memory_budget(48 << 30, backend="reference")
         for r in (0.1, 0.2):
             for tail, use_gate in ((False, False), (True, False), (False, True), (True, True)):
                 if elapsed() > ARGS.budget_s:

@@ -6,7 +6,10 @@
     torch.Size([1, 256, 2, 64])
 """
 
+import os as _os
+
 from . import dispatch
+from .budget import memory_budget, set_memory_budget
 from .backends.reference import ReferenceBackend
 from .backends.sdpa import SdpaBackend
 from .dispatch import BackendError, backends, best_device, use_backend
@@ -28,7 +31,8 @@ __version__ = "0.1.0"
 
 __all__ = ["sol_attn", "backends", "use_backend", "best_device", "BackendError", "Plan",
            "build_plan", "Problem", "validate", "BLOCK", "__version__",
-           "tile", "untile", "video_sparse_attn"]
+           "tile", "untile", "video_sparse_attn", "memory_budget", "set_memory_budget"]
 
-if __import__("os").environ.get("SOLATTN_COMFY_KITCHEN", "").strip():  # opt-in comfy-kitchen plug-in (docs/comfyui.md)
-    __import__("solattn.integrations.comfy_kitchen", fromlist=["install_from_env"]).install_from_env()
+if _os.environ.get("SOLATTN_COMFY_KITCHEN", "").strip():  # opt-in comfy-kitchen plug-in (docs/comfyui.md)
+    from .integrations.comfy_kitchen import install_from_env as _install_from_env
+    _install_from_env()

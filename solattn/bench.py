@@ -711,7 +711,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         + " ".join(_shape_str(s) for s in cfg.shapes) + f", ratios {cfg.ratios}, tail "
         + ("off+on" if len(cfg.tails) > 1 else "off") + f", backends "
         + ", ".join(([DENSE] if cfg.with_dense else []) + cfg.backends)
-        + f", reference budget {reference_module.memory_budget / 2**30:.1f} GiB")
+        + f", reference budget {reference_module.budget.bytes / 2**30:.1f} GiB")
     if not cfg.with_dense and not cfg.backends:
         log("nothing to time")
         return 2

@@ -237,18 +237,36 @@ def test_sdpa_small_budget_same_result():
     p = solattn.validate(q, k, v, topk_ratio=0.3, key_bias=bias)
     plan = solattn.build_plan(p)
     big = sdpamod.sdpa_forward(p, plan)
-    tiny = sdpamod.sdpa_forward(p, plan, budget=1)          # one query block per SDPA call
+    tiny = sdpamod.sdpa_forward(p, plan, nbytes=1)          # one query block per SDPA call
     assert rel_l2(tiny, big) < 1e-6
 
 
-def test_sdpa_memory_budget_validation():
+def test_memory_budget_api():
     from solattn.backends import sdpa as sdpamod
+    from solattn.backends import reference as refmod
     with pytest.raises(ValueError, match="'nbytes'"):
-        sdpamod.set_memory_budget(-1)
-    sdpamod.set_memory_budget(123456)
-    assert sdpamod.memory_budget() == 123456
-    sdpamod.set_memory_budget(None)
-    assert sdpamod.memory_budget() == 1 << 30
+        solattn.set_memory_budget(-1)
+    with pytest.raises(ValueError, match="'backend'.*allowed"):
+        solattn.set_memory_budget(1 << 20, backend="triton")
+    solattn.set_memory_budget(123456)
+    assert sdpamod.budget.bytes == 123456
+    with solattn.memory_budget(4096):
+        assert sdpamod.budget.bytes == 4096
+        with solattn.memory_budget(1 << 20, backend="reference"):
+            assert refmod.budget.bytes == 1 << 20
+        assert refmod.budget.bytes == 4 << 30
+    assert sdpamod.budget.bytes == 123456
+    solattn.set_memory_budget(None)
+    assert sdpamod.budget.bytes == 1 << 30
+
+
+def test_scoped_reference_budget_makes_it_refuse():
+    q, k, v = make_qkv(1, 1024, 2, 8)
+    with solattn.memory_budget(1 << 20, backend="reference"):
+        with pytest.raises(solattn.BackendError, match="budget"):
+            solattn.sol_attn(q, k, v, backend="reference")
+    assert torch.isfinite(solattn.sol_attn(q, k, v, backend="reference")).all()
+
 
 
 @pytest.mark.parametrize("feature", ["topk", "tau", "key_bias", "bool_bias", "block_len", "everything"])

@@ -29,7 +29,7 @@ def test_check_passes_here(capsys):
 def test_check_fails_with_exit_code_1_when_a_backend_is_wrong(monkeypatch, capsys):
     from solattn.backends import sdpa as sdpamod
     real = sdpamod.sdpa_forward
-    monkeypatch.setattr(sdpamod, "sdpa_forward", lambda p, plan, budget=None: real(p, plan) * 1.1)
+    monkeypatch.setattr(sdpamod, "sdpa_forward", lambda p, plan, nbytes=None: real(p, plan) * 1.1)
     assert cli.main(["check", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "FAILED" in out

@@ -49,7 +49,7 @@ def test_use_backend_runs_that_backend(monkeypatch):
 
 
 def test_forced_backend_that_cannot_run_raises_with_reasons(monkeypatch):
-    monkeypatch.setattr(refmod, "memory_budget", 1024)
+    monkeypatch.setattr(refmod.budget, "_value", 1024)
     q, k, v = make_qkv(1, 100, 2, 8)
     with pytest.raises(solattn.BackendError, match=r"backend 'reference' cannot run.*budget.*can: sdpa"):
         solattn.sol_attn(q, k, v, backend="reference")
@@ -59,7 +59,7 @@ def test_forced_backend_that_cannot_run_raises_with_reasons(monkeypatch):
 
 
 def test_nothing_can_run_lists_every_backend(monkeypatch):
-    monkeypatch.setattr(refmod, "memory_budget", 1024)
+    monkeypatch.setattr(refmod.budget, "_value", 1024)
     q, k, v = make_qkv(1, 100, 2, 8)
     p = solattn.validate(q, k, v)
     monkeypatch.setitem(dispatch.PRIORITY, "cpu", ["reference"])
@@ -75,7 +75,7 @@ def test_env_preference_and_fallback_warning(monkeypatch):
     p = solattn.validate(q, k, v)
     monkeypatch.setenv("SOLATTN_BACKEND", "reference")
     assert dispatch.choose(p).name == "reference"
-    monkeypatch.setattr(refmod, "memory_budget", 1024)
+    monkeypatch.setattr(refmod.budget, "_value", 1024)
     with pytest.warns(RuntimeWarning, match="SOLATTN_BACKEND=reference cannot run"):
         assert dispatch.choose(p).name == "sdpa"
     monkeypatch.setenv("SOLATTN_BACKEND", "nope")

@@ -313,7 +313,7 @@ def test_dtypes_and_token_aug_has_no_effect(dtype):
 
 def test_reference_refuses_over_budget_naming_memory_and_alternatives(monkeypatch):
     from solattn.backends import reference as refmod
-    monkeypatch.setattr(refmod, "memory_budget", 1 << 20)
+    monkeypatch.setattr(refmod.budget, "_value", 1 << 20)
     q, k, v = make_qkv(1, 1024, 2, 8)
     with pytest.raises(solattn.BackendError) as ei:
         solattn.sol_attn(q, k, v, backend="reference")

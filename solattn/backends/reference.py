@@ -4,31 +4,23 @@ It is the oracle every other backend is tested against, so it deliberately
 shares no selection code with them: it does not import ``solattn.routing``.
 Everything (block means, routing scores, thresholds, the exact set, the tail)
 is derived here from the definition. Memory is O(B H T^2); a guard refuses
-before allocating more than :data:`memory_budget` bytes.
+before allocating more than its memory budget (4 GiB by default).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import List
 
 import torch
 
+from ..budget import BUDGETS
 from ..validation import BLOCK, Problem
 from .base import Backend
 
-#: default budget for the score tensors, in bytes (settable: ``set_memory_budget``
-#: or the ``SOLATTN_REFERENCE_BUDGET`` environment variable, in bytes)
-memory_budget = int(os.environ.get("SOLATTN_REFERENCE_BUDGET", 4 << 30))
-
-
-def set_memory_budget(nbytes: int) -> None:
-    """Set the largest working memory (bytes) the reference may allocate."""
-    global memory_budget
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-        raise ValueError(f"set_memory_budget: argument 'nbytes' received {nbytes!r}; allowed: a positive int")
-    memory_budget = nbytes
+#: the most the score tensors may take, bytes (``solattn.set_memory_budget(n, backend="reference")``,
+#: ``solattn.memory_budget(n, backend="reference")`` or ``SOLATTN_REFERENCE_BUDGET``)
+budget = BUDGETS["reference"]
 
 
 def estimated_bytes(B: int, H: int, T: int) -> int:
@@ -138,10 +130,10 @@ class ReferenceBackend(Backend):
     def not_supported_reasons(self, problem: Problem) -> List[str]:
         reasons = super().not_supported_reasons(problem)
         need = estimated_bytes(problem.B, problem.H, problem.T)
-        if need > memory_budget:
+        if need > budget.bytes:
             reasons.append(f"would need about {_gib(need)} for dense T x T scores "
                            f"(B={problem.B}, H={problem.H}, T={problem.T}), over its budget of "
-                           f"{_gib(memory_budget)} (solattn.backends.reference.set_memory_budget)")
+                           f"{_gib(budget.bytes)} (solattn.set_memory_budget(nbytes, backend='reference'))")
         return reasons
 
     def forward(self, problem: Problem, plan=None) -> torch.Tensor:

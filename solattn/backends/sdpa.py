@@ -30,36 +30,19 @@ masking, no mask, so the device's fastest kernel runs.
 from __future__ import annotations
 
 import math
-import os
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
+from ..budget import BUDGETS
 from ..routing import Plan
 from ..validation import BLOCK, Problem
 from .base import ALL_FEATURES, Backend
 
-_DEFAULT_BUDGET = int(os.environ.get("SOLATTN_SDPA_BUDGET", 1 << 30))
-_budget = _DEFAULT_BUDGET
-
-
-def set_memory_budget(nbytes: Optional[int]) -> None:
-    """Set the portable backend's working-memory budget in bytes (``None`` restores 1 GiB or
-    ``SOLATTN_SDPA_BUDGET``). The budget covers gathered keys/values, masks and SDPA scratch;
-    inputs and output are not counted."""
-    global _budget
-    if nbytes is None:
-        _budget = _DEFAULT_BUDGET
-        return
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-        raise ValueError(f"set_memory_budget: argument 'nbytes' received {nbytes!r}; "
-                         "allowed: a positive int (bytes) or None")
-    _budget = nbytes
-
-
-def memory_budget() -> int:
-    return _budget
+#: working memory beyond inputs and output, bytes (``solattn.set_memory_budget``,
+#: ``solattn.memory_budget`` or ``SOLATTN_SDPA_BUDGET``; 1 GiB by default)
+budget = BUDGETS["sdpa"]
 
 
 def _new_output(shape, dtype, device) -> torch.Tensor:
@@ -174,11 +157,11 @@ def _blocked(work: _Workspace, name: str, x: torch.Tensor, n: int, extra_blocks:
     return buf
 
 
-def sdpa_forward(p: Problem, plan: Plan, budget: Optional[int] = None) -> torch.Tensor:
+def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.Tensor:
     """Run SPEC.md's output for ``p`` from ``plan`` through SDPA. ``(B, T, H, D)``, v's dtype."""
     B, T, H, D, n = p.B, p.T, p.H, p.D, p.n
     dev, dt = p.device, p.dtype
-    budget = budget or _budget
+    nbytes = nbytes or budget.bytes
     elt = torch.finfo(dt).bits // 8
     tail = plan.tail_lse is not None
     kbias = _key_token_bias(p, plan)                    # (Bk, n, 64) fp32 or None
@@ -187,8 +170,8 @@ def sdpa_forward(p: Problem, plan: Plan, budget: Optional[int] = None) -> torch.
     work = _Workspace(enabled=not p.requires_grad)
     # half the budget for the block layouts of a chunk of heads (q, k, v, out, tail values)
     per_head = n * BLOCK * D * elt * (5 if tail else 4) + (n * BLOCK * 4 * 2 if masked_any else 0)
-    heads_per_chunk = max(1, min(H, (budget // 2) // per_head))
-    gather_budget = min(budget // 2, _CHUNK_CAP.get(dev.type, budget))
+    heads_per_chunk = max(1, min(H, (nbytes // 2) // per_head))
+    gather_budget = min(nbytes // 2, _CHUNK_CAP.get(dev.type, nbytes))
     dead_block = plan.block_len < BLOCK                                       # (n,)
     out = _new_output((B, T, H, D), dt, dev)
     for b in range(B):
@@ -197,7 +180,7 @@ def sdpa_forward(p: Problem, plan: Plan, budget: Optional[int] = None) -> torch.
             _attend_head_chunk(p, plan, b, h0, h1, out, kbias, dead_block, tail, mdt, elt,
                                gather_budget, work)
     if plan.coarse is not None and p.coarse_gate is not None:
-        out = _add_coarse(out, p.coarse_gate, plan.coarse, budget)
+        out = _add_coarse(out, p.coarse_gate, plan.coarse, nbytes)
     return out
 
 
@@ -280,10 +263,10 @@ def _attend_head_chunk(p, plan, b, h0, h1, out, kbias, dead_block, tail, mdt, el
     out[b, :, h0:h1] = ob.view(nh, n * BLOCK, D)[:, :T].transpose(0, 1)
 
 
-def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, budget: int) -> torch.Tensor:
+def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nbytes: int) -> torch.Tensor:
     """``out += (gate * coarse_of_block).to(dtype)`` in place, token chunk by token chunk (bounded memory)."""
     B, T, H, D = out.shape
-    step = max(BLOCK, (budget // max(1, B * H * D * 12)) // BLOCK * BLOCK)
+    step = max(BLOCK, (nbytes // max(1, B * H * D * 12)) // BLOCK * BLOCK)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         blocks = torch.arange(t0, t1, device=out.device) // BLOCK

@@ -1,0 +1,82 @@
+"""Memory budgets: a byte limit per backend, process-wide or scoped to a block of calls.
+
+    solattn.set_memory_budget(256 << 20)              # the portable backend, from now on
+    with solattn.memory_budget(64 << 20):             # only the calls inside the block
+        out = solattn.sol_attn(q, k, v, topk_ratio=0.1)
+    solattn.set_memory_budget(8 << 30, backend="reference")
+
+The ``sdpa`` budget bounds the portable backend's working memory beyond inputs and
+output (it sizes the chunks; results do not change). The ``reference`` budget is
+the most the dense oracle may allocate; above it the backend refuses with a reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Dict, Iterator, List, Optional
+
+
+def _check(nbytes, what: str) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"{what} received {nbytes!r}; allowed: a positive int (bytes)")
+    return nbytes
+
+
+class MemoryBudget:
+    """A byte budget with a default (overridable by an environment variable), a process-wide
+    setting and nested scopes; :attr:`bytes` is the one in force."""
+
+    def __init__(self, backend: str, env: str, default: int):
+        self.backend, self.env = backend, env
+        raw = os.environ.get(env, "").strip()
+        self.default = _check(int(raw), f"environment variable {env}") if raw.isdigit() else default
+        if raw and not raw.isdigit():
+            raise ValueError(f"environment variable {env} received {raw!r}; allowed: a positive int (bytes)")
+        self._value = self.default
+        self._scopes: List[int] = []
+
+    @property
+    def bytes(self) -> int:
+        return self._scopes[-1] if self._scopes else self._value
+
+    def set(self, nbytes: Optional[int]) -> None:
+        """Set the process-wide budget; ``None`` restores the default."""
+        self._value = self.default if nbytes is None else _check(nbytes, "argument 'nbytes'")
+
+    @contextlib.contextmanager
+    def scope(self, nbytes: int) -> Iterator[int]:
+        self._scopes.append(_check(nbytes, "argument 'nbytes'"))
+        try:
+            yield nbytes
+        finally:
+            self._scopes.pop()
+
+
+BUDGETS: Dict[str, MemoryBudget] = {
+    "sdpa": MemoryBudget("sdpa", "SOLATTN_SDPA_BUDGET", 1 << 30),
+    "reference": MemoryBudget("reference", "SOLATTN_REFERENCE_BUDGET", 4 << 30),
+}
+
+
+def _get(backend: str) -> MemoryBudget:
+    if backend not in BUDGETS:
+        raise ValueError(f"argument 'backend' received {backend!r}; allowed: one of {sorted(BUDGETS)}")
+    return BUDGETS[backend]
+
+
+def set_memory_budget(nbytes: Optional[int], backend: str = "sdpa") -> None:
+    """Set ``backend``'s memory budget in bytes for the whole process (``None``: the default,
+    1 GiB for ``sdpa`` and 4 GiB for ``reference``, or ``SOLATTN_SDPA_BUDGET`` /
+    ``SOLATTN_REFERENCE_BUDGET``)."""
+    _get(backend).set(nbytes)
+
+
+def memory_budget(nbytes: int, backend: str = "sdpa"):
+    """Context manager: ``backend``'s budget is ``nbytes`` for the calls inside the block."""
+    return _get(backend).scope(nbytes)
+
+
+def current_budget(backend: str = "sdpa") -> int:
+    """The budget in force for ``backend``, in bytes."""
+    return _get(backend).bytes
