@@ -12,6 +12,7 @@ flow through them.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -78,11 +79,20 @@ def live_lengths(problem: Problem) -> torch.Tensor:
     """``L_j`` (SPEC.md, "Blocks") as an ``(n,)`` int32 tensor on the problem's device."""
     n, T = problem.n, problem.T
     if problem.block_len is None:
-        L = torch.full((n,), BLOCK, dtype=torch.int32, device=problem.device)
-    else:
-        L = problem.block_len.clamp(1, BLOCK).to(torch.int32)
+        return _full_lengths(T, problem.device)
+    L = problem.block_len.clamp(1, BLOCK).to(torch.int32)
     last = torch.full((1,), T - BLOCK * (n - 1), dtype=torch.int32, device=problem.device)
     return torch.cat([L[:-1], torch.minimum(L[-1:], last)])
+
+
+# Small per-shape constants are cached: on a GPU the routing plan is launch-bound at small T,
+# and these tensors depend only on (T or n, sinks, device). Callers never modify them.
+@functools.lru_cache(maxsize=64)
+def _full_lengths(T: int, device: torch.device) -> torch.Tensor:
+    n = (T + BLOCK - 1) // BLOCK
+    L = torch.full((n,), BLOCK, dtype=torch.int32, device=device)
+    L[-1] = T - BLOCK * (n - 1)
+    return L
 
 
 def live_token_mask(L: torch.Tensor) -> torch.Tensor:
@@ -200,10 +210,15 @@ def select_exact(problem: Problem, stats: BlockStats, topk_method: Optional[str]
 
 def forced_blocks(problem: Problem, n: int, device) -> torch.Tensor:
     """``(n, n)`` bool: neighbours ``|i - j| <= 1``, sink key blocks, and every key for sink_q rows."""
+    return _forced_blocks(n, problem.sink_blocks, problem.sink_q, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _forced_blocks(n: int, sink_blocks, sink_q, device: torch.device) -> torch.Tensor:
     ii = torch.arange(n, device=device)
     forced = (ii[:, None] - ii[None, :]).abs() <= 1
-    forced |= sink_mask(problem.sink_blocks, n, device)[None, :]
-    forced |= sink_mask(problem.sink_q, n, device)[:, None]
+    forced |= sink_mask(sink_blocks, n, device)[None, :]
+    forced |= sink_mask(sink_q, n, device)[:, None]
     return forced
 
 
