@@ -101,7 +101,10 @@ def choose(problem: Problem, requested: Optional[str] = None) -> Backend:
     order = priority(problem.device.type)
     env = os.environ.get("SOLATTN_BACKEND", "").strip().lower()
     if env:
-        preferred = get_backend(env)
+        if env not in _REGISTRY:
+            raise ValueError(f"environment variable SOLATTN_BACKEND received {env!r}; "
+                             f"allowed: unset or one of {sorted(_REGISTRY)}")
+        preferred = _REGISTRY[env]
         reasons = preferred.not_supported_reasons(problem)
         if not reasons:
             return preferred

@@ -79,14 +79,15 @@ def live_lengths(problem: Problem) -> torch.Tensor:
     """``L_j`` (SPEC.md, "Blocks") as an ``(n,)`` int32 tensor on the problem's device."""
     n, T = problem.n, problem.T
     if problem.block_len is None:
-        return _full_lengths(T, problem.device)
+        return _full_lengths(T, problem.device).clone()   # the plan exposes it: never share it
     L = problem.block_len.clamp(1, BLOCK).to(torch.int32)
     last = torch.full((1,), T - BLOCK * (n - 1), dtype=torch.int32, device=problem.device)
     return torch.cat([L[:-1], torch.minimum(L[-1:], last)])
 
 
 # Small per-shape constants are cached: on a GPU the routing plan is launch-bound at small T,
-# and these tensors depend only on (T or n, sinks, device). Callers never modify them.
+# and these tensors depend only on (T or n, sinks, device). Cached tensors are never handed out:
+# lengths are cloned, forced masks only enter new tensors.
 @functools.lru_cache(maxsize=64)
 def _full_lengths(T: int, device: torch.device) -> torch.Tensor:
     n = (T + BLOCK - 1) // BLOCK
@@ -127,8 +128,9 @@ def block_means(x: torch.Tensor, L: torch.Tensor, all_live: bool = False) -> tor
             pad = (b1 - b0) * BLOCK - xs.shape[1]
             if pad:                                                       # ragged last block
                 xs = torch.nn.functional.pad(xs, (0, 0, 0, 0, 0, pad))
-            w = live[b0:b1].to(x.dtype)[None, :, :, None, None]          # dead rows contribute 0
-            sums.append((xs.unflatten(1, (b1 - b0, BLOCK)) * w).sum(dim=2, dtype=torch.float32))
+            keep = live[b0:b1][None, :, :, None, None]                    # dead rows contribute 0,
+            xs = torch.where(keep, xs.unflatten(1, (b1 - b0, BLOCK)), 0)  # even if they hold NaN
+            sums.append(xs.sum(dim=2, dtype=torch.float32))
     total = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]          # (B, n, H, D)
     return (total / L.to(torch.float32)[None, :, None, None]).permute(0, 2, 1, 3)
 
@@ -210,10 +212,12 @@ def select_exact(problem: Problem, stats: BlockStats, topk_method: Optional[str]
 
 def forced_blocks(problem: Problem, n: int, device) -> torch.Tensor:
     """``(n, n)`` bool: neighbours ``|i - j| <= 1``, sink key blocks, and every key for sink_q rows."""
-    return _forced_blocks(n, problem.sink_blocks, problem.sink_q, torch.device(device))
+    key = (n, problem.sink_blocks, problem.sink_q, torch.device(device))
+    # only small masks are cached (n = 2048 is 4 MiB), so the cache stays small
+    return _forced_blocks(*key) if n <= 2048 else _forced_blocks.__wrapped__(*key)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _forced_blocks(n: int, sink_blocks, sink_q, device: torch.device) -> torch.Tensor:
     ii = torch.arange(n, device=device)
     forced = (ii[:, None] - ii[None, :]).abs() <= 1

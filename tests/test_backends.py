@@ -86,7 +86,7 @@ def test_backend_matches_reference(backend, device, feature, dtype):
     want = solattn.sol_attn(q, k, v, backend="reference", **kw)
     assert got.dtype == dtype and got.shape == q.shape and got.is_contiguous()
     live = _live_rows(T, bl) if "block_len" in kw else torch.ones(T, dtype=torch.bool)
-    assert rel_l2(got.cpu()[:, live], want.cpu()[:, live]) < TOL[dtype] * (3 if dtype != torch.float32 else 1)
+    assert rel_l2(got.cpu()[:, live], want.cpu()[:, live]) < TOL[dtype]
     assert torch.isfinite(got).all()
 
 
@@ -98,7 +98,7 @@ def test_small_and_ragged_lengths(backend, device, T):
     for kw in (dict(topk_ratio=0.5), dict(tau=0.2), dict(tau=-1e9, tail=False)):
         got = solattn.sol_attn(q, k, v, backend=backend, **kw)
         want = solattn.sol_attn(q, k, v, backend="reference", **kw)
-        assert rel_l2(got, want) < TOL[dtype] * 3
+        assert rel_l2(got, want) < TOL[dtype]
 
 
 @pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
@@ -129,7 +129,7 @@ def test_ties_kk_zero_and_sinks_at_both_edges(backend, device):
                dict(topk_ratio=0.2, sink_blocks=(9, 10), sink_q=(0, 1))):
         got = solattn.sol_attn(q, k, v, backend=backend, **kw)
         want = solattn.sol_attn(q, k, v, backend="reference", **kw)
-        assert rel_l2(got, want) < TOL[dtype] * 3, kw
+        assert rel_l2(got, want) < TOL[dtype], kw
 
 
 @pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
@@ -222,6 +222,9 @@ def test_sdpa_writes_every_output_element(device, monkeypatch):
     from solattn.backends import sdpa as sdpamod
     monkeypatch.setattr(sdpamod, "_new_output",
                         lambda shape, dtype, dev: torch.full(shape, math.nan, dtype=dtype, device=dev))
+    real_empty = sdpamod._Workspace.empty                   # reused scratch (block layouts, outputs)
+    monkeypatch.setattr(sdpamod._Workspace, "empty",
+                        lambda self, *a, **kw: real_empty(self, *a, **kw).fill_(math.nan))
     for T, kw in ((1, {}), (200, dict(topk_ratio=0.3)), (257, dict(tau=0.4, tail=False)),
                   (128, dict(tau=0.0, key_bias=torch.zeros(128, dtype=torch.bool)))):
         q, k, v = make_qkv(2, T, 2, 32, dtype=torch.bfloat16, device=device)
@@ -285,3 +288,88 @@ def test_sdpa_masks_in_input_dtype_as_on_gpus(feature, monkeypatch):
     live = _live_rows(T, bl) if "block_len" in kw else torch.ones(T, dtype=torch.bool)
     err, err32 = rel_l2(got[:, live], want[:, live]), rel_l2(fp32[:, live], want[:, live])
     assert err < 1e-2 and err < 1.5 * err32 + 1e-4, (err, err32)
+
+
+# --- robustness: shifted keys, huge finite biases, NaN in dead rows ----------------------------
+
+def _interp_pairs():
+    """PAIRS plus the Triton kernel in its interpreter on the CPU (triton >= 3.9), so these cases
+    also run in CI without a GPU."""
+    pairs = list(PAIRS)
+    try:
+        import triton
+        if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9) and ("triton", "cpu") not in pairs:
+            pairs.append(("triton", "cpu"))
+    except ImportError:
+        pass
+    return pairs
+
+
+ROBUST = _interp_pairs()
+
+
+def _run(backend, device, monkeypatch, *args, **kw):
+    if backend == "triton" and device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return solattn.sol_attn(*args, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend,device", ROBUST, ids=[f"{b}-{d}" for b, d in ROBUST])
+def test_common_key_offset_keeps_bf16_precision(backend, device, monkeypatch):
+    """SPEC.md centres the keys: adding one vector to every key leaves the output unchanged. In
+    bf16 the error against the reference must not grow with that offset (it does if the centroid
+    itself is rounded to bf16)."""
+    q, k, v = make_qkv(1, 640, 2, 128, dtype=torch.bfloat16, device=device, seed=21, key_offset=0.0)
+    k_off = (k.float() + 64.0).to(torch.bfloat16)
+    for tail in (True, False):
+        got = _run(backend, device, monkeypatch, q, k_off, v, topk_ratio=0.2, tail=tail)
+        want = solattn.sol_attn(q, k_off, v, topk_ratio=0.2, tail=tail, backend="reference")
+        assert rel_l2(got, want) < 1e-2, tail
+
+
+@pytest.mark.parametrize("backend,device", ROBUST, ids=[f"{b}-{d}" for b, d in ROBUST])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_huge_finite_biases_stay_finite(backend, device, dtype, monkeypatch, fp32_min=True):
+    """A finite bias is a finite term: finfo(fp32).min or -1e5 on every key (tail off) is not an
+    all -inf row, and +7e4 on one key makes that key dominate; nothing overflows to inf or 0."""
+    T = 300
+    q, k, v = make_qkv(1, T, 2, 64, dtype=dtype, device=device, seed=22)
+    one = torch.zeros(T, device=device)
+    one[70] = 7e4
+    biases = [torch.full((T,), -1e5, device=device), one]
+    if fp32_min:
+        biases.append(torch.full((T,), torch.finfo(torch.float32).min, device=device))
+    for bias in biases:
+        got = _run(backend, device, monkeypatch, q, k, v, tau=0.3, tail=False, key_bias=bias)
+        want = solattn.sol_attn(q, k, v, tau=0.3, tail=False, key_bias=bias, backend="reference")
+        assert torch.isfinite(got).all()
+        assert rel_l2(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("backend,device", ROBUST, ids=[f"{b}-{d}" for b, d in ROBUST])
+def test_nan_in_dead_rows_never_reaches_an_output(backend, device, monkeypatch):
+    T = 3 * BLOCK
+    q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, device=device, seed=23)
+    bl = torch.tensor([20, 64, 5], dtype=torch.int32, device=device)
+    live = _live_rows(T, bl).to(device)
+    gate = torch.randn_like(q)
+    for kw in (dict(topk_ratio=0.5), dict(tau=0.2, coarse_gate=gate)):
+        base = _run(backend, device, monkeypatch, q, k, v, block_len=bl, **kw)
+        q2, k2, v2 = (x.clone() for x in (q, k, v))
+        for x in (q2, k2, v2):
+            x[:, ~live] = float("nan")
+        got = _run(backend, device, monkeypatch, q2, k2, v2, block_len=bl, **kw)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got[:, live], base[:, live])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_huge_finite_biases_with_masks_in_input_dtype(dtype, monkeypatch):
+    """The GPU mask branch (mask in q's dtype) forced on the CPU: a finite bias beyond the
+    dtype's range is clamped into it, not turned into -inf (which zeroed rows on an H200)."""
+    from solattn.backends import sdpa as sdpamod
+    monkeypatch.setattr(sdpamod, "_FP32_MASK_DEVICES", frozenset())
+    # An fp16 mask cannot hold finfo(fp32).min: clamped to -65504 it no longer swamps the logits
+    # as it does in the fp32 reference (which then averages uniformly), so that case is bf16 only.
+    test_huge_finite_biases_stay_finite("sdpa", "cpu", dtype, monkeypatch,
+                                        fp32_min=dtype == torch.bfloat16)

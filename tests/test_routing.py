@@ -108,3 +108,12 @@ def test_tail_terms_equal_their_definition():
                 assert torch.allclose(plan.tail_lse[b, h, i], torch.logsumexp(w, 0), atol=1e-5)
                 want = (torch.softmax(w, 0)[:, None] * st.vm[b, h, out]).sum(0)
                 assert torch.allclose(plan.tail_value[b, h, i], want, atol=1e-5)
+
+
+def test_plans_share_no_cached_tensor():
+    q, k, v = make_qkv(1, 200, 2, 16)
+    p = solattn.validate(q, k, v, topk_ratio=0.3)
+    first = routing.build_plan(p)
+    first.block_len[0] = 1                      # a caller scribbling on its plan
+    second = routing.build_plan(p)
+    assert second.block_len.tolist() == [64, 64, 64, 8]

@@ -1,6 +1,6 @@
 """Backends: each one file (or folder), independent of the others.
 
-Importing this package registers the built-in backends with the dispatcher.
+``import solattn`` registers the built-in backends with the dispatcher (solattn/__init__.py).
 """
 
 from .base import Backend

@@ -60,6 +60,9 @@ def reference_forward(p: Problem) -> torch.Tensor:
     tok_live = (torch.arange(T, device=dev) % BLOCK) < L[tok_block]
     member = (tok_block[None, :] == torch.arange(n, device=dev)[:, None]) & tok_live[None, :]
     avg = member.to(f32) / L.to(f32)[:, None]              # (n, T): mean over live rows
+    # dead rows never enter anything (a NaN there must not reach a mean or an exact key); their
+    # own outputs are unspecified, computed here from zeros
+    q, k, v = (torch.where(tok_live[:, None], x, torch.zeros((), device=dev)) for x in (q, k, v))
 
     qm = avg @ q                                           # (B, H, n, D)
     km = avg @ k

@@ -12,11 +12,11 @@ on CUDA, Metal on MPS). Equal counts need no padding and, when nothing needs
 masking, no mask, so the device's fastest kernel runs.
 
 - The pooled tail enters the same SDPA call as one extra key block per query
-  block (SPEC.md, DESIGN.md): its row 0 has the centroid ``m`` as key, the
-  tail's mean value as value and ``tail_lse`` as mask entry; its other rows
-  are masked. With the centroid as key, ``scale q_t . m + tail_lse`` against
-  the uncentred exact logits ``scale q_t . k_u`` equals ``tail_lse`` against
-  the centred ones, so the exact keys need no centring.
+  block (SPEC.md, DESIGN.md): its row 0 has a zero key, the tail's mean value
+  as value and ``tail_lse`` as mask entry; its other rows are masked. The
+  exact keys are centred (``k - m``, subtracted in fp32 while laying out the
+  blocks), so the zero key's logit is exactly ``tail_lse`` against them and
+  the rounding of the keys scales with ``|k - m|``, not ``|k|``.
 - ``block_len``, ragged last blocks and ``key_bias`` become an additive key
   mask broadcast over the query rows, only for the query blocks that need it.
 - Working memory is bounded by a byte budget: half for the chunk's block
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..budget import BUDGETS
-from ..routing import Plan
+from ..routing import Plan, live_token_mask
 from ..validation import BLOCK, Problem
 from .base import ALL_FEATURES, Backend
 
@@ -54,7 +54,7 @@ def _new_output(shape, dtype, device) -> torch.Tensor:
 #: CUDA is not one: torch 2.11 on an H200 accepted an fp32 mask but returned NaN and wrong rows
 #: once it held -inf (22 GPU tests failed); XPU and MPS were never run. Elsewhere the mask takes
 #: q's dtype, and the tail's log-weight is re-centred so that bf16 rounding does not bite
-#: (see ``_shift_for_precision``).
+#: (see ``_mask_for_device``).
 _FP32_MASK_DEVICES = frozenset({"cpu"})
 
 
@@ -63,18 +63,26 @@ def _mask_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if device.type in _FP32_MASK_DEVICES else dtype
 
 
-def _shift_for_precision(mask: torch.Tensor, tail_lse: torch.Tensor, mdt: torch.dtype) -> torch.Tensor:
-    """Subtract from each query block's mask row its ``tail_lse`` rounded to ``mdt``.
+def _mask_for_device(mask: torch.Tensor, tail_lse: Optional[torch.Tensor], mdt: torch.dtype) -> torch.Tensor:
+    """The fp32 ``(rows, L)`` additive mask, made safe for SDPA in dtype ``mdt``.
 
-    A softmax does not change when every logit of a row moves by one constant. After the shift
-    the tail entry is the small residual ``tail_lse - round(tail_lse)``, held precisely, and an
-    unbiased exact key's entry is ``-round(tail_lse)``, exactly representable: rounding the mask
-    to bf16 then no longer shifts the tail's weight against the exact keys (a bf16 tail_lse of
-    ~10 is off by up to 1/32, which alone gave 1.5e-2 relative error on an H200).
+    - With the tail, each row is shifted by its ``tail_lse`` rounded to ``mdt`` (a softmax does
+      not change when every logit of a row moves by one constant). The tail entry becomes the
+      small residual ``tail_lse - round(tail_lse)``, held precisely, and an unbiased exact key's
+      entry ``-round(tail_lse)`` is exactly representable, so rounding the mask to bf16 no longer
+      shifts the tail's weight against the exact keys (a bf16 tail_lse of ~10 is off by up to
+      1/32, which alone gave 1.5e-2 relative error on an H200).
+    - Finite entries are clamped into ``mdt``'s finite range, so a large finite bias (an fp32
+      ``finfo.min`` "mask", or -1e5 in fp16) stays finite instead of becoming -inf (which would
+      zero a row that SPEC.md says has finite terms). ``-inf`` stays ``-inf``.
     """
-    c = tail_lse.to(mdt).to(torch.float32)
-    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
-    return mask - c[:, None]
+    if mdt == torch.float32:
+        return mask
+    if tail_lse is not None:
+        c = tail_lse.to(mdt).to(torch.float32)
+        mask = mask - torch.where(torch.isfinite(c), c, torch.zeros_like(c))[:, None]
+    big = torch.finfo(mdt).max
+    return torch.where(torch.isneginf(mask), mask, mask.clamp(-big, big)).to(mdt)
 
 
 class SdpaBackend(Backend):
@@ -145,14 +153,23 @@ class _Workspace:
         return torch.index_select(table, 0, index, out=buf[:numel].view(shape))
 
 
-def _blocked(work: _Workspace, name: str, x: torch.Tensor, n: int, extra_blocks: int) -> torch.Tensor:
+def _blocked(work: _Workspace, name: str, x: torch.Tensor, n: int, extra_blocks: int,
+             live: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x``: ``(T, nh, D)`` (one batch, a chunk of heads, any strides) -> ``(nh * n + extra_blocks,
-    64, D)`` contiguous: head-major 64-row blocks, rows past T zero, then zeroed extra blocks."""
+    64, D)`` contiguous: head-major 64-row blocks, then zeroed extra blocks.
+
+    Rows past T are zero, and so are dead rows when ``live`` (``(n, 64)`` bool) is given: a dead
+    row never enters the arithmetic, even holding NaN. ``shift`` (``(nh, D)`` fp32) is subtracted
+    in fp32 before the cast (the centred keys ``k - m`` of SPEC.md).
+    """
     T, nh, D = x.shape
     buf = work.empty(name, (nh * n + extra_blocks, BLOCK, D), x.dtype, x.device)
     layout = buf[:nh * n].view(nh, n * BLOCK, D)
-    layout[:, :T].copy_(x.transpose(0, 1))
+    src = x.transpose(0, 1)
+    layout[:, :T].copy_(src if shift is None else src.to(torch.float32) - shift[:, None, :])
     layout[:, T:].zero_()
+    if live is not None:
+        layout.view(nh, n, BLOCK, D).masked_fill_(~live[None, :, :, None], 0)
     buf[nh * n:].zero_()
     return buf
 
@@ -169,7 +186,8 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     mdt = _mask_dtype(dev, dt)
     work = _Workspace(enabled=not p.requires_grad)
     # half the budget for the block layouts of a chunk of heads (q, k, v, out, tail values)
-    per_head = n * BLOCK * D * elt * (5 if tail else 4) + (n * BLOCK * 4 * 2 if masked_any else 0)
+    per_head = (n * BLOCK * D * elt * (5 if tail else 4) + (n * BLOCK * 4 * 2 if masked_any else 0)
+                + (n * BLOCK * D * 4 if tail else 0))          # the fp32 centring temporary
     heads_per_chunk = max(1, min(H, (nbytes // 2) // per_head))
     gather_budget = min(nbytes // 2, _CHUNK_CAP.get(dev.type, nbytes))
     dead_block = plan.block_len < BLOCK                                       # (n,)
@@ -189,18 +207,20 @@ def _attend_head_chunk(p, plan, b, h0, h1, out, kbias, dead_block, tail, mdt, el
     T, D, n, dev = p.T, p.D, p.n, p.device
     nh = h1 - h0
     R = nh * n                                           # query blocks in this chunk: row = hl * n + i
-    # K table: the chunk's key blocks, then one tail block per head (row 0 = centroid m).
-    # V table: the value blocks, then one tail block per query block (row 0 = tail mean value).
-    qb = _blocked(work, "q", p.q[b, :, h0:h1], n, 0)
-    kb = _blocked(work, "k", p.k[b, :, h0:h1], n, nh if tail else 0)
-    vb = _blocked(work, "v", p.v[b, :, h0:h1], n, R if tail else 0)
+    # K table: the chunk's key blocks (centred, k - m, when the tail is on), then one zero tail
+    # block per head. V table: the value blocks, then one tail block per query block (row 0 =
+    # the tail's mean value). Dead rows are zeroed so that nothing in them reaches the output.
+    live = live_token_mask(plan.block_len) if p.block_len is not None else None
+    qb = _blocked(work, "q", p.q[b, :, h0:h1], n, 0, live)
+    kb = _blocked(work, "k", p.k[b, :, h0:h1], n, nh if tail else 0, live,
+                  plan.key_mean[b, h0:h1, 0] if tail else None)
+    vb = _blocked(work, "v", p.v[b, :, h0:h1], n, R if tail else 0, live)
     ob = work.empty("o", (R, BLOCK, D), p.dtype, dev) if work.enabled else None  # every row written
     mask_table = None
     if kbias is not None or tail:
         mask_table = (kbias[b if kbias.shape[0] > 1 else 0] if kbias is not None
                       else torch.zeros(n, BLOCK, dtype=torch.float32, device=dev))
     if tail:
-        kb[R:, 0] = plan.key_mean[b, h0:h1, 0].to(p.dtype)
         vb[R:, 0] = plan.tail_value[b, h0:h1].reshape(R, D).to(p.dtype)
         tail_rows = torch.full((R, BLOCK), -math.inf, dtype=torch.float32, device=dev)
         tail_rows[:, 0] = plan.tail_lse[b, h0:h1].reshape(R)
@@ -242,10 +262,9 @@ def _attend_head_chunk(p, plan, b, h0, h1, out, kbias, dead_block, tail, mdt, el
             k = work.gather("gk", kb, k_idx.reshape(-1)).view(nr, 1, L, D)
             v = work.gather("gv", vb, v_idx.reshape(-1)).view(nr, 1, L, D)
             mask = mask_table.index_select(0, m_idx.reshape(-1)).view(nr, L) if masked else None
-            if tail and mdt != torch.float32:
-                mask = _shift_for_precision(mask, mask[:, -BLOCK], mdt)  # column of the tail key
             o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if mask is None else mask.to(mdt)[:, None, None, :],
+                q, k, v, attn_mask=None if mask is None else
+                _mask_for_device(mask, mask[:, -BLOCK] if tail else None, mdt)[:, None, None, :],
                 scale=p.scale).view(nr, BLOCK, D)
             if mask is not None:
                 dead = torch.isneginf(mask).all(dim=1)  # every term -inf: SPEC says 0, not NaN

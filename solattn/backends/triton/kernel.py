@@ -72,7 +72,9 @@ def _sol_attn_fwd(
     tok_q = q_block * BLOCK + rows
     row_ok = tok_q < T
     q_ptrs = Q + b * sqb + h * sqh + tok_q.to(tl.int64)[:, None] * sqt + dims[None, :] * sqd
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    # dead query rows (block_len) are read as zeros: their outputs are unspecified but finite
+    q_live = row_ok & (rows < tl.load(BlockLen + q_block))
+    q = tl.load(q_ptrs, mask=q_live[:, None], other=0.0)
 
     # per-row shift that stands in for centring the keys (base-2 units)
     key_mean = tl.load(KeyMean + bh.to(tl.int64) * HEAD_DIM + dims)
@@ -137,6 +139,8 @@ def _sol_attn_fwd(
                 s = tl.dot(q, tl.trans(k)) * qk_scale
             if HAS_BIAS:
                 bias = tl.load(KeyBias + b * s_bias_b + tok_k, mask=live, other=0.0)
+                # a huge finite bias (an fp32 finfo.min "mask") must stay finite in base 2
+                bias = tl.where(bias == float("-inf"), bias, tl.minimum(tl.maximum(bias, -1e30), 1e30))
                 s = s + bias[None, :] * 1.4426950408889634
             s = tl.where(live[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
