@@ -75,23 +75,26 @@ def forced_backend() -> Optional[str]:
     return _forced[-1] if _forced else None
 
 
-def _reasons_table(problem: Problem, names: List[str]) -> str:
-    lines = []
-    for name in names:
-        reasons = _REGISTRY[name].not_supported_reasons(problem)
-        lines.append(f"  {name}: " + ("can run" if not reasons else "; ".join(reasons)))
-    return "\n".join(lines)
+def _reasons(backend: Backend, problem: Problem, plan_only: bool) -> List[str]:
+    reasons = backend.not_supported_reasons(problem)
+    if plan_only and not backend.uses_plan:
+        reasons = reasons + ["does not consume a routing plan (video_sparse_attn's selection needs one)"]
+    return reasons
 
 
-def choose(problem: Problem, requested: Optional[str] = None) -> Backend:
-    """Pick the backend for ``problem``; raise :class:`BackendError` with every reason if none fits."""
+def choose(problem: Problem, requested: Optional[str] = None, plan_only: bool = False) -> Backend:
+    """Pick the backend for ``problem``; raise :class:`BackendError` with every reason if none fits.
+
+    ``plan_only`` admits only backends that consume a routing plan (the VSA entry point builds
+    its own selection into the plan, which the reference would ignore).
+    """
     explicit = requested or (_forced[-1] if _forced else None)
     if explicit:
         backend = get_backend(explicit)
-        reasons = backend.not_supported_reasons(problem)
+        reasons = _reasons(backend, problem, plan_only)
         if reasons:
             others = [n for n in registered() if n != backend.name
-                      and not _REGISTRY[n].not_supported_reasons(problem)]
+                      and not _reasons(_REGISTRY[n], problem, plan_only)]
             raise BackendError(
                 f"backend '{backend.name}' cannot run this call ({problem.describe()}): "
                 + "; ".join(reasons)
@@ -105,7 +108,7 @@ def choose(problem: Problem, requested: Optional[str] = None) -> Backend:
             raise ValueError(f"environment variable SOLATTN_BACKEND received {env!r}; "
                              f"allowed: unset or one of {sorted(_REGISTRY)}")
         preferred = _REGISTRY[env]
-        reasons = preferred.not_supported_reasons(problem)
+        reasons = _reasons(preferred, problem, plan_only)
         if not reasons:
             return preferred
         key = (env, problem.device.type, tuple(reasons))
@@ -114,10 +117,11 @@ def choose(problem: Problem, requested: Optional[str] = None) -> Backend:
             warnings.warn(f"SOLATTN_BACKEND={env} cannot run this call ({'; '.join(reasons)}); "
                           f"falling back to the priority list {order}", RuntimeWarning, stacklevel=3)
     for name in order:
-        if not _REGISTRY[name].not_supported_reasons(problem):
+        if not _reasons(_REGISTRY[name], problem, plan_only):
             return _REGISTRY[name]
-    raise BackendError(f"no solattn backend can run this call ({problem.describe()}):\n"
-                       + _reasons_table(problem, registered()))
+    table = "\n".join(f"  {n}: " + ("; ".join(_reasons(_REGISTRY[n], problem, plan_only)) or "can run")
+                      for n in registered())
+    raise BackendError(f"no solattn backend can run this call ({problem.describe()}):\n" + table)
 
 
 def backends(device=None) -> List[dict]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import os
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -178,27 +177,10 @@ def _explicit_backend(requested: Optional[str]) -> Optional[Backend]:
 
 
 def _plan_backend(problem: Problem, explicit: Optional[Backend]) -> Backend:
-    """The backend that runs the fine stage: the explicit one (raising with its reasons if it
-    cannot run ``problem``), else the first plan-consuming backend of the device's priority list
-    that can; the automatic choice never takes the ``reference``. ``SOLATTN_BACKEND`` naming a
-    plan-consuming backend moves it to the front (a preference: skipped if it cannot run).
-    """
-    if explicit is not None:
-        return dispatch.choose(problem, explicit.name)
-    names = [n for n in dispatch.priority(problem.device.type) if dispatch.get_backend(n).uses_plan]
-    names += [n for n in dispatch.registered() if n not in names and dispatch.get_backend(n).uses_plan]
-    preferred = os.environ.get("SOLATTN_BACKEND", "").strip().lower()  # a preference, as for sol_attn
-    if preferred in names:
-        names.remove(preferred)
-        names.insert(0, preferred)
-    for name in names:
-        if not dispatch.get_backend(name).not_supported_reasons(problem):
-            return dispatch.get_backend(name)
-    table = "\n".join(f"  {n}: " + "; ".join(dispatch.get_backend(n).not_supported_reasons(problem))
-                      for n in names)
-    raise dispatch.BackendError(
-        f"video_sparse_attn: no backend that consumes routing plans can run this call "
-        f"({problem.describe()})" + (":\n" + table if names else ": none is registered"))
+    """The backend that runs the fine stage: ``dispatch.choose`` restricted to backends that
+    consume a routing plan (explicit choice, ``use_backend``, ``SOLATTN_BACKEND`` as a preference
+    that warns when it falls back, then the device's priority list)."""
+    return dispatch.choose(problem, explicit.name if explicit is not None else None, plan_only=True)
 
 
 def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,

@@ -406,11 +406,14 @@ def test_reference_backend_is_refused():
 
 @needs_backend
 def test_environment_preference_for_reference_is_ignored(monkeypatch):
-    # SOLATTN_BACKEND is a preference; the reference cannot serve VSA, so the plan backends do
+    # SOLATTN_BACKEND is a preference; the reference cannot serve VSA, so the plan backends do,
+    # and the fallback is said out loud (once per reason), as for sol_attn
     grid = (5, 6, 7)
     q, k, v = make_inputs(grid, seed=12)
     monkeypatch.setenv("SOLATTN_BACKEND", "reference")
-    out = solattn.video_sparse_attn(q, k, v, grid, topk=2)
+    monkeypatch.setattr(solattn.dispatch, "_warned_env", set())
+    with pytest.warns(RuntimeWarning, match="SOLATTN_BACKEND=reference cannot run.*routing plan"):
+        out = solattn.video_sparse_attn(q, k, v, grid, topk=2)
     want, _ = oracle_vsa(q, k, v, grid, 2)
     assert rel_l2(out, want) < TOL[torch.float32]
 
