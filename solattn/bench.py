@@ -77,7 +77,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as _dt
-import math
 import os
 import platform
 import resource
@@ -95,6 +94,7 @@ from . import dispatch
 from .backends import reference as reference_module
 from .ops import sol_attn
 from .routing import build_plan
+from .synthetic import block_structured_qkv
 from .validation import BLOCK, validate
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -239,19 +239,9 @@ def measure_peak(fn: Callable[[], torch.Tensor], device: torch.device) -> Tuple[
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0,
                 spread: float = 2.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v ``(B, T, H, D)``: ``0.5 * randn`` per token plus ``spread * randn`` per 64-token
-    block (fixed seed); block logits ``scale * qm . km`` then have a std of about ``spread ** 2``."""
-    B, T, H, D = shape
-    n = math.ceil(T / BLOCK)
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(3):
-        x = torch.randn(B, T, H, D, generator=g).mul_(0.5)
-        offset = torch.randn(B, n, H, D, generator=g).mul_(spread)
-        x.add_(offset.repeat_interleave(BLOCK, dim=1)[:, :T])
-        out.append(x.to(dtype=dtype, device=device))
-        del x, offset
-    return tuple(out)
+    """q, k, v ``(B, T, H, D)`` with block structure (``solattn.synthetic``); block logits
+    ``scale * qm . km`` have a std of about ``spread ** 2``."""
+    return block_structured_qkv(*shape, dtype=dtype, device=device, seed=seed, spread=spread)
 
 
 def flop_count(shape: Shape, kept_pairs: Optional[int]) -> float:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import solattn
+from solattn.synthetic import block_structured_qkv
 
 BLOCK = 64
 
@@ -39,17 +40,8 @@ def make_qkv(B, T, H, D, dtype=torch.float32, device="cpu", seed=0, spread=3.0, 
     routing scores) are well separated: selection is unambiguous at every dtype. The keys also
     share a per-head offset (``key_offset``), as real models' keys do: dense attention ignores
     it, SPEC.md's centring must too (a backend that rounds the centroid shows up here)."""
-    g = torch.Generator().manual_seed(seed)
-    n = math.ceil(T / BLOCK)
-    out = []
-    for which in range(3):
-        block_offset = torch.randn(B, n, H, D, generator=g) * spread
-        tok = torch.randn(B, T, H, D, generator=g) * 0.5
-        x = tok + block_offset.repeat_interleave(BLOCK, dim=1)[:, :T]
-        if which == 1:
-            x = x + torch.randn(1, 1, H, D, generator=g) * key_offset
-        out.append((x * D ** -0.25).to(dtype).to(device))
-    return tuple(out)
+    return block_structured_qkv(B, T, H, D, dtype, device, seed=seed, spread=spread,
+                                key_offset=key_offset, normalise=True)
 
 
 def dense_sdpa(q, k, v, scale=None):
