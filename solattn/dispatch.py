@@ -70,6 +70,17 @@ def use_backend(name: str) -> Iterator[Backend]:
         _forced.pop()
 
 
+@contextlib.contextmanager
+def without_forced_backend() -> Iterator[None]:
+    """Suspend every ``use_backend`` block (a backward pass must not inherit a forward-only one)."""
+    saved = _forced[:]
+    _forced.clear()
+    try:
+        yield
+    finally:
+        _forced[:] = saved
+
+
 def forced_backend() -> Optional[str]:
     """The innermost ``use_backend`` name, or None."""
     return _forced[-1] if _forced else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -58,7 +58,7 @@ def _check_grid_cube(fn: str, grid, cube) -> Tuple[Grid, Grid]:
 
 def num_cubes(grid: Grid, cube: Grid = DEFAULT_CUBE) -> int:
     """Number of (possibly partial) cubes, i.e. routing blocks, of a grid."""
-    return math.prod(-(-g // c) for g, c in zip(grid, cube))
+    return math.prod([-(-g // c) for g, c in zip(grid, cube)])
 
 
 def _cube_slots(grid: Grid, cube: Grid) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -237,8 +237,15 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     n_video = num_cubes(grid, cube)
     topk = _resolve_topk(fn, sparsity, topk, n_video)
     gate = _check_gate(fn, gate, q, prefix_len, n_video_tokens)
-    explicit = _explicit_backend(backend)
+    _explicit_backend(backend)                      # a backend that cannot serve VSA: refuse now
+    return _vsa_op(q, k, v, list(grid), int(topk), gate, None if scale is None else float(scale),
+                   backend or "", prefix_len)
 
+
+def _vsa_forward(q, k, v, grid, topk: int, gate, scale, backend: Optional[str], prefix_len: int):
+    """The computation behind ``video_sparse_attn`` (validated arguments; ``gate``: video rows)."""
+    grid, cube = tuple(grid), DEFAULT_CUBE
+    explicit = _explicit_backend(backend)
     layout = _layout(grid, cube, prefix_len, q.device)
     n_prefix = layout.num_prefix_blocks
     tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
@@ -257,6 +264,46 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     if prefix_len:
         return torch.cat([out[:, :prefix_len], video], dim=1)
     return video.contiguous()
+
+
+# ``video_sparse_attn`` is the torch.library custom op ``solattn::video_sparse_attn``: the routing
+# plan has data-dependent sizes, so torch.compile must see one opaque node (fake implementation
+# below). Autograd recomputes the forward through a differentiable backend, as for ``sol_attn``.
+@torch.library.custom_op("solattn::video_sparse_attn", mutates_args=())
+def _vsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: List[int], topk: int,
+            gate: Optional[torch.Tensor], scale: Optional[float], backend: str,
+            prefix_len: int) -> torch.Tensor:
+    with torch.no_grad():
+        return _vsa_forward(q, k, v, grid, topk, gate, scale, backend or None, prefix_len)
+
+
+@_vsa_op.register_fake
+def _(q, k, v, grid, topk, gate, scale, backend, prefix_len):
+    return torch.empty(q.shape, dtype=v.dtype, device=v.device)
+
+
+def _vsa_setup_context(ctx, inputs, output):
+    q, k, v, grid, topk, gate, scale, backend, prefix_len = inputs
+    ctx.save_for_backward(q, k, v, gate)
+    ctx.args = (grid, topk, scale, backend, prefix_len)
+
+
+def _vsa_backward(ctx, grad_out):
+    grid, topk, scale, backend, prefix_len = ctx.args
+    leaves = [t.detach().requires_grad_(True) if t is not None else None for t in ctx.saved_tensors]
+    # the forward's backend if it can differentiate, else the device's first one that can
+    requested = backend or dispatch.forced_backend()
+    if requested and "autograd" not in dispatch.get_backend(requested).features:
+        requested = None
+    with torch.enable_grad(), dispatch.without_forced_backend():
+        out = _vsa_forward(*leaves[:3], grid, topk, leaves[3], scale, requested, prefix_len)
+        wanted = [t for t in leaves if t is not None]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+    gq, gk, gv, gg = [next(grads) if t is not None else None for t in leaves]
+    return gq, gk, gv, None, None, gg, None, None, None
+
+
+_vsa_op.register_autograd(_vsa_backward, setup_context=_vsa_setup_context)
 
 
 def _resolve_topk(fn: str, sparsity, topk, n_video: int) -> int:
