@@ -699,7 +699,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = resolve(args)
     log(f"device {cfg.device}, dtype {DTYPE_NAMES[cfg.dtype]}, shapes "
         + " ".join(_shape_str(s) for s in cfg.shapes) + f", ratios {cfg.ratios}, tail "
-        + ("off+on" if len(cfg.tails) > 1 else "off") + f", backends "
+        + ("off+on" if len(cfg.tails) > 1 else "off") + ", backends "
         + ", ".join(([DENSE] if cfg.with_dense else []) + cfg.backends)
         + f", reference budget {reference_module.budget.bytes / 2**30:.1f} GiB")
     if not cfg.with_dense and not cfg.backends:

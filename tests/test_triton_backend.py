@@ -13,7 +13,6 @@ checks that before comparing, so the plan and the reference select the same bloc
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch

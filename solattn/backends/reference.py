@@ -47,7 +47,7 @@ def _live_lengths(p: Problem) -> torch.Tensor:
 
 def reference_forward(p: Problem) -> torch.Tensor:
     """SPEC.md's output, literally. Returns ``(B, T, H, D)`` in v's dtype, contiguous."""
-    B, T, H, D, n = p.B, p.T, p.H, p.D, p.n
+    B, T, H, n = p.B, p.T, p.H, p.n
     dev, f32 = p.device, torch.float32
     q = p.q.to(f32).permute(0, 2, 1, 3)  # (B, H, T, D)
     k = p.k.to(f32).permute(0, 2, 1, 3)
