@@ -133,7 +133,12 @@ def block_means(x: torch.Tensor, L: torch.Tensor, all_live: bool = False) -> tor
             keep = live[b0:b1][None, :, :, None, None]                    # dead rows contribute 0,
             xs = torch.where(keep, xs.unflatten(1, (b1 - b0, BLOCK)), 0)  # even if they hold NaN
             sums.append(xs.sum(dim=2, dtype=torch.float32))
-    total = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]          # (B, n, H, D)
+    return _means_from_sums(sums, L)
+
+
+def _means_from_sums(sums, L: torch.Tensor) -> torch.Tensor:
+    """Per-chunk ``(B, blocks, H, D)`` fp32 sums of live rows -> ``(B, H, n, D)`` means."""
+    total = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]
     return (total / L.to(torch.float32)[None, :, None, None]).permute(0, 2, 1, 3)
 
 
@@ -162,8 +167,7 @@ def _block_means_cpu(x: torch.Tensor, L: torch.Tensor, all_live: bool) -> torch.
         if live is not None:                                              # dead rows: 0, even NaN
             blocks.masked_fill_(~live[b0:b1][None, :, :, None, None], 0.0)
         sums.append(blocks.sum(dim=2))
-    total = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]          # (B, n, H, D)
-    return (total / L.to(torch.float32)[None, :, None, None]).permute(0, 2, 1, 3)
+    return _means_from_sums(sums, L)
 
 
 def block_stats(problem: Problem) -> BlockStats:
