@@ -81,6 +81,13 @@ def without_forced_backend() -> Iterator[None]:
         _forced[:] = saved
 
 
+def differentiable_request(requested: Optional[str]) -> Optional[str]:
+    """For a backward pass: the requested (or ``use_backend``) backend when it supports autograd,
+    else None (then the device's priority list picks one that does)."""
+    name = requested or forced_backend()
+    return name if name and "autograd" in get_backend(name).features else None
+
+
 def forced_backend() -> Optional[str]:
     """The innermost ``use_backend`` name, or None."""
     return _forced[-1] if _forced else None

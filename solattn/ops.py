@@ -39,16 +39,18 @@ def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
     return chosen.forward(problem, plan)
 
 
-def _grad_backend(problem: Problem, requested: Optional[str]) -> str:
-    """The backend the backward pass recomputes through: the requested one if it supports
-    autograd, else the first in the device's priority that can differentiate this call."""
-    requested = requested or dispatch.forced_backend()
-    if requested and "autograd" in dispatch.get_backend(requested).features:
-        return requested
-    for name in dispatch.priority(problem.device.type):
-        if not dispatch.get_backend(name).not_supported_reasons(problem):
-            return name
-    raise dispatch.BackendError(f"no backend can differentiate this call ({problem.describe()})")
+def recompute_grads(forward, inputs, grad_out, requested: Optional[str]):
+    """Gradients of a custom op by recomputation: ``forward(leaves, backend_name)`` runs again with
+    autograd on detached copies of ``inputs`` (``None`` entries stay ``None``) through
+    :func:`dispatch.differentiable_request`'s backend, or the device's first differentiable one.
+    Returns one gradient (or ``None``) per input."""
+    name = dispatch.differentiable_request(requested)
+    leaves = [t.detach().requires_grad_(True) if t is not None else None for t in inputs]
+    with torch.enable_grad(), dispatch.without_forced_backend():
+        out = forward(leaves, name)
+        wanted = [t for t in leaves if t is not None]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+    return [next(grads) if t is not None else None for t in leaves]
 
 
 @torch.library.custom_op("solattn::sol_attn", mutates_args=())
@@ -79,16 +81,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out):
     q, k, v, key_bias, block_len, coarse_gate = ctx.saved_tensors
     tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend = ctx.args
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) if t is not None else None
-                  for t in (q, k, v, coarse_gate)]
+
+    def forward(leaves, name):
         qd, kd, vd, gd = leaves
-        problem = validate(qd, kd, vd, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
-                           block_len, gd, token_aug)
-        out = run_problem(problem, _grad_backend(problem, backend or None))
-        wanted = [t for t in leaves if t is not None]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-    gq, gk, gv, gg = [next(grads) if t is not None else None for t in leaves]
+        return run_problem(validate(qd, kd, vd, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio,
+                                    tail, block_len, gd, token_aug), name)
+
+    gq, gk, gv, gg = recompute_grads(forward, (q, k, v, coarse_gate), grad_out, backend or None)
     return gq, gk, gv, None, None, None, None, None, None, None, None, gg, None, None
 
 

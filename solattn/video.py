@@ -22,6 +22,7 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend
+from .ops import recompute_grads
 from .routing import build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
 
@@ -290,16 +291,11 @@ def _vsa_setup_context(ctx, inputs, output):
 
 def _vsa_backward(ctx, grad_out):
     grid, topk, scale, backend, prefix_len = ctx.args
-    leaves = [t.detach().requires_grad_(True) if t is not None else None for t in ctx.saved_tensors]
-    # the forward's backend if it can differentiate, else the device's first one that can
-    requested = backend or dispatch.forced_backend()
-    if requested and "autograd" not in dispatch.get_backend(requested).features:
-        requested = None
-    with torch.enable_grad(), dispatch.without_forced_backend():
-        out = _vsa_forward(*leaves[:3], grid, topk, leaves[3], scale, requested, prefix_len)
-        wanted = [t for t in leaves if t is not None]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-    gq, gk, gv, gg = [next(grads) if t is not None else None for t in leaves]
+
+    def forward(leaves, name):
+        return _vsa_forward(*leaves[:3], grid, topk, leaves[3], scale, name, prefix_len)
+
+    gq, gk, gv, gg = recompute_grads(forward, ctx.saved_tensors, grad_out, backend or None)
     return gq, gk, gv, None, None, gg, None, None, None
 
 
