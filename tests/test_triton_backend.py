@@ -243,6 +243,22 @@ def test_launch_refuses_configs_that_do_not_ship():
     assert out.isnan().all()
 
 
+def test_interpreter_run_leaves_triton_unpatched():
+    """An interpreted launch swaps Triton's @jit library functions (tl.sum, tl.max) and the
+    kernel's pieces for interpreted twins only while it runs: afterwards they are the compiled
+    functions again, so a later GPU launch in the same process still compiles them."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    from solattn.backends.triton import kernel
+    before = (tl.sum, tl.max, kernel.softmax_update, kernel.sol_attn_fwd)
+    q, k, v = _qkv(1, 70, 1, seed=170)
+    _check(validate(q, k, v, topk_ratio=0.5, tail=True))
+    after = (tl.sum, tl.max, kernel.softmax_update, kernel.sol_attn_fwd)
+    assert all(a is b for a, b in zip(before, after))
+    assert isinstance(kernel.softmax_update, JITFunction) and isinstance(kernel.sol_attn_fwd, JITFunction)
+
+
 # ----------------------------------------------------------------------------- layouts
 
 def test_strided_and_permuted_inputs():
