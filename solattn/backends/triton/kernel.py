@@ -38,13 +38,13 @@ from triton.runtime.jit import JITFunction
 LOG2E = math.log2(math.e)
 
 
-def _jit(fn):
+def gpu_jit(fn):
     # not triton.jit: that returns an interpreted function when TRITON_INTERPRET=1 happens to
     # be set at import time, and the process would then never compile for the GPU
     return JITFunction(fn)
 
 
-@_jit
+@gpu_jit
 def query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """This program's query rows: ``(q, tok_q, row_ok)``; dead rows (block_len) read as zeros,
@@ -59,7 +59,7 @@ def query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
     return q, tok_q, row_ok
 
 
-@_jit
+@gpu_jit
 def start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_TAIL: tl.constexpr):
     """Online-softmax state ``(m, l, acc)`` before the first key block: the tail key, or nothing."""
@@ -81,7 +81,7 @@ def start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
     return m_i, l_i, acc
 
 
-@_jit
+@gpu_jit
 def block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS: tl.constexpr):
     """Base-2 logits of the query block against one key block; dead keys are -inf."""
     s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -93,7 +93,7 @@ def block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS: tl.constexpr):
     return tl.where(live[None, :], s, float("-inf"))
 
 
-@_jit
+@gpu_jit
 def softmax_update(s, m_i, l_i):
     """Fold one block of logits into the running max and sum: ``(p, alpha, m_new, l_new)``;
     the caller rescales its accumulator by ``alpha`` and adds ``p @ v``."""
@@ -106,7 +106,7 @@ def softmax_update(s, m_i, l_i):
     return p, alpha, m_new, l_new
 
 
-@_jit
+@gpu_jit
 def write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
                sgb, sgt, sgh, sgd, HEAD_DIM: tl.constexpr, HAS_COARSE: tl.constexpr):
     """Normalise, add the coarse term, store into the contiguous ``(B, T, H, D)`` output."""
@@ -126,7 +126,7 @@ def write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
     tl.store(o_ptrs, out, mask=row_ok[:, None])
 
 
-@_jit
+@gpu_jit
 def sol_attn_fwd(
     Q, K, V, Out, Gate,
     KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
