@@ -1,12 +1,17 @@
-"""One-call H200 benchmark of the ``triton`` backend (issue 4).
+"""One-call H200 benchmark of the ``triton`` backend.
 
-    python benchmarks/bench_h200.py --out DIR [--budget-s 330] [--sweep] [--configs 1,4,3 2,4,2]
+    python benchmarks/bench_h200.py --out DIR [--budget-s 330] [--sweep] [--variants]
+                                    [--config WARPS,STAGES,TMA] [--skip main,tsweep]
+    python benchmarks/bench_h200.py --quick --out DIR    # correctness + H3/seed at 10/20 %, no tail
+    python benchmarks/bench_h200.py --dry-run --out DIR  # tiny shapes, CPU interpreter
 
 Sections, in priority order (each is skipped once the time budget is spent):
 
 1. correctness on CUDA: triton vs the reference at small shapes, every feature, bf16/fp16,
    D 64/128, with a NaN-poisoned output (every element must be written);
-2. optional config sweep (key blocks per step, warps, stages) at H3, topk 10%, no tail;
+2. optional config sweep (warps, stages, TMA or pointer loads) at H3, topk 10%/20%, no tail,
+   and with ``--variants`` the diagnostic kernels of ``kernel_variants.py`` (math only,
+   loads only);
 3. the main table at the H3 shape (B=1, T=37296, H=56, D=128) and the seed shape
    (B=2, T=4056, H=16, D=128), bf16, topk 10% and 20%, tail off/on, coarse gate off/on:
    dense ``F.scaled_dot_product_attention``, the ``sdpa`` backend, the ``triton``
@@ -16,7 +21,10 @@ Sections, in priority order (each is skipped once the time budget is spent):
    same function);
 4. a sweep over T (B=1, H=24, D=128, topk 10%, no tail).
 
-Each row: median ms (``triton.testing.do_bench``, return_mode="median"), speed-up over
+Inputs: ``solattn.bench.make_inputs`` with ``--spread`` (default 0: i.i.d. Gaussians, the
+inputs of the recorded runs; correctness cases use 2, block-structured, so that the selection
+is unambiguous). Each row: median ms (``triton.testing.do_bench``, return_mode="median", as in
+the recorded runs; it flushes L2 between calls, which ``solattn.bench.time_calls`` does not), speed-up over
 dense in the same run, TFLOP/s counted on kept blocks, peak extra memory, relative L2
 error. FLOPs: sparse paths ``4 * kept_pairs * 64 * 64 * D`` where ``kept_pairs`` is the
 sum of ``plan.kv_num_blocks`` over (b, h, query block) (two matmuls, 2 FLOPs per MAC;
@@ -48,6 +56,9 @@ from solattn import build_plan, validate  # noqa: E402
 from solattn.backends import reference  # noqa: E402
 from solattn.backends.reference import reference_forward  # noqa: E402
 from solattn.backends.triton import DEFAULT_CONFIGS, KernelConfig, launch  # noqa: E402
+from solattn.bench import flop_count, log, make_inputs, measure_peak, rel_l2, synchronize, time_calls  # noqa: E402
+
+from kernel_variants import VARIANTS, run_variant  # noqa: E402
 
 BLOCK = 64
 T0 = time.time()
@@ -56,7 +67,7 @@ LOG = []
 
 def say(*a):
     line = " ".join(str(x) for x in a)
-    print(line, flush=True)
+    log(line)
     LOG.append(line)
 
 
@@ -64,21 +75,13 @@ def elapsed():
     return time.time() - T0
 
 
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
+    synchronize(torch.device(DEV))
 
 
 def bench(fn, warmup=25, rep=100):
     if DEV != "cuda":  # --dry-run on the CPU (interpreter): one timed call
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
+        return time_calls(fn, torch.device(DEV), 1)[0]
     import triton.testing
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
@@ -87,20 +90,14 @@ def peak_extra_mib(fn):
     """Peak device memory allocated during one call, above what was allocated before it (MiB)."""
     if DEV != "cuda":
         return float("nan")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    out, mib, _ = measure_peak(fn, torch.device(DEV))
     del out
-    return peak / 2**20
+    return mib
 
 
-def make_qkv(B, T, H, D, dtype, seed, dev=None):
-    dev = dev or DEV
-    g = torch.Generator(device=dev).manual_seed(seed)
-    return [torch.randn(B, T, H, D, device=dev, dtype=dtype, generator=g) for _ in range(3)]
+def make_qkv(B, T, H, D, dtype, seed, spread=None):
+    spread = ARGS.spread if spread is None else spread
+    return list(make_inputs((B, T, H, D), dtype, torch.device(DEV), seed=seed, spread=spread))
 
 
 # ----------------------------------------------------------------------------- 1. correctness
@@ -131,7 +128,7 @@ def correctness(configs):
         B, T, H, D, dtype = shp["B"], shp["T"], shp["H"], shp["D"], shp["dtype"]
         if DEV != "cuda":  # dry run: tiny
             T, H = min(T, 200), 1
-        q, k, v = make_qkv(B, T, H, D, dtype, seed=len(rows) + 1)
+        q, k, v = make_qkv(B, T, H, D, dtype, seed=len(rows) + 1, spread=2.0)
         if shp.get("strided"):
             q = q.transpose(1, 2).contiguous().transpose(1, 2)
             k = torch.cat([k, k], dim=-1)[..., ::2]
@@ -163,16 +160,15 @@ def correctness(configs):
     return rows
 
 
-def cfg_name(cfg):
-    return (f"{cfg.kv_per_iter}x64/w{cfg.num_warps}/s{cfg.num_stages}" + (f"/tma{cfg.tma}" if cfg.tma else "")
-            + (f"/diag{cfg.diag}" if cfg.diag else ""))
+def cfg_name(cfg, variant=""):
+    return f"w{cfg.num_warps}/s{cfg.num_stages}/{'tma' if cfg.tma else 'ptr'}" + (f"/{variant}" if variant else "")
 
 
 # ----------------------------------------------------------------------------- helpers for rows
 
 def kept_flops(plan, D):
     kept = int(plan.kv_num_blocks.long().sum().item())
-    return 4.0 * kept * BLOCK * BLOCK * D, kept
+    return flop_count((0, 0, 0, D), kept), kept
 
 
 def ref_output(problem, heads=None):
@@ -215,39 +211,39 @@ _FLEX = None
 
 # ----------------------------------------------------------------------------- 2. sweep
 
-SWEEP = [KernelConfig(1, 4, 2), KernelConfig(1, 4, 3), KernelConfig(1, 4, 4), KernelConfig(2, 4, 2),
-         KernelConfig(2, 4, 3), KernelConfig(2, 8, 2), KernelConfig(1, 8, 3)]
-# second round: TMA loads, and two diagnostic variants that split the loop's time into
-# "math without K/V loads" (diag 1) and "K/V loads without math" (diag 2)
-FOCUS = [KernelConfig(1, 4, 3), KernelConfig(1, 4, 4), KernelConfig(1, 4, 3, tma=2), KernelConfig(1, 4, 4, tma=2),
-         KernelConfig(1, 4, 3, tma=4), KernelConfig(1, 4, 2, tma=2), KernelConfig(1, 4, 3, diag=1),
-         KernelConfig(1, 4, 3, diag=2)]
+#: every shipping knob: warps x stages x (TMA, pointer loads)
+SWEEP = [KernelConfig(1, w, st, tma=t) for t in (True, False) for w in (4, 8) for st in (2, 3, 4)]
 
 
-def sweep(shape, ratios=(0.1, 0.2), configs=None):
+def sweep(shape, ratios=(0.1, 0.2), configs=None, variants=()):
+    """Time ``configs`` (production kernel) and the diagnostic ``variants`` (with the first config)."""
     configs = configs or SWEEP
     B, T, H, D = shape
     say(f"\n## 2. config sweep, B={B} T={T} H={H} D={D} bf16, topk, no tail")
     q, k, v = make_qkv(B, T, H, D, torch.bfloat16, seed=7)
+    runs = [(cfg, "") for cfg in configs] + [(configs[0], name) for name in variants]
     rows = []
     for r in ratios:
         problem = validate(q, k, v, topk_ratio=r, tail=False)
         plan = build_plan(problem)
         flops, _ = kept_flops(plan, D)
-        for cfg in configs:
+        for cfg, variant in runs:
             if elapsed() > ARGS.budget_s * 0.45:
                 say("  (sweep cut short by the time budget)")
                 break
+            name = cfg_name(cfg, variant)
+            fn = ((lambda: run_variant(variant, problem, plan, cfg)) if variant
+                  else (lambda: launch(problem, plan, config=cfg)))
             try:
-                ms = bench(lambda: launch(problem, plan, config=cfg))
+                ms = bench(fn)
             except Exception as e:  # out of shared memory etc.
-                say(f"  {cfg_name(cfg):12s} topk {r}: failed: {str(e).splitlines()[0][:120]}")
+                say(f"  {name:12s} topk {r}: failed: {str(e).splitlines()[0][:120]}")
                 continue
-            rows.append(dict(ratio=r, config=cfg_name(cfg), ms=ms, tflops=flops / ms / 1e9))
-            say(f"  topk {r:.0%} {cfg_name(cfg):12s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s")
+            rows.append(dict(ratio=r, config=name, ms=ms, tflops=flops / ms / 1e9))
+            say(f"  topk {r:.0%} {name:22s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s")
     best = {}
     for r in rows:
-        if "diag" in r["config"]:
+        if r["config"].count("/") > 2:    # a diagnostic variant: not a candidate
             continue
         if r["ratio"] not in best or r["ms"] < best[r["ratio"]]["ms"]:
             best[r["ratio"]] = r
@@ -276,7 +272,8 @@ def main_table(shapes, cfg):
         heads = None if reference.estimated_bytes(B, H, T) < 24 << 30 else 1
         solattn.set_memory_budget(48 << 30, backend="reference")
         for r in (0.1, 0.2):
-            for tail, use_gate in ((False, False), (True, False), (False, True), (True, True)):
+            combos = ((False, False),) if ARGS.quick else ((False, False), (True, False), (False, True), (True, True))
+            for tail, use_gate in combos:
                 if elapsed() > ARGS.budget_s:
                     break
                 cg = gate if use_gate else None
@@ -292,10 +289,10 @@ def main_table(shapes, cfg):
                 paths = [("triton", lambda: launch(problem, plan, config=cfg))]
                 paths.append(("triton e2e (sol_attn)", lambda: solattn.sol_attn(
                     q, k, v, topk_ratio=r, tail=tail, coarse_gate=cg, backend="triton")))
-                if "sdpa" in solattn.dispatch.registered() and not use_gate:
+                if "sdpa" in solattn.dispatch.registered() and not use_gate and not ARGS.quick:
                     sd = solattn.dispatch.get_backend("sdpa")
                     paths.append(("sdpa backend", lambda: sd.forward(problem, plan)))
-                if not tail and not use_gate:
+                if not tail and not use_gate and not ARGS.quick:
                     try:
                         paths.append(("flex BlockMask", flex_runner(problem, plan)))
                     except Exception as e:
@@ -452,17 +449,35 @@ def device_name():
     return torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter dry run)"
 
 
+def parse_config(text):
+    """``WARPS,STAGES,TMA`` (e.g. ``4,3,1``) -> KernelConfig; KernelConfig checks the values."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise SystemExit(f"--config received {text!r}; allowed: WARPS,STAGES,TMA as three integers, e.g. 4,3,1")
+    w, st, t = (int(p) for p in parts)
+    try:
+        return KernelConfig(1, w, st, tma=t)
+    except ValueError as e:
+        raise SystemExit(f"--config {text}: {e}")
+
+
 def main():
     global ARGS, DEV
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--budget-s", type=float, default=330.0)
-    p.add_argument("--sweep", action="store_true")
-    p.add_argument("--focus", action="store_true", help="second-round sweep: TMA and diagnostic variants")
+    p.add_argument("--sweep", action="store_true", help="time every shipping config at H3 first")
+    p.add_argument("--variants", action="store_true",
+                   help="time the diagnostic kernels of kernel_variants.py (math only, loads only) at H3")
     p.add_argument("--no-correctness", action="store_true")
     p.add_argument("--flex-sweep", action="store_true")
-    p.add_argument("--config", default="", help="kv_per_iter,num_warps,num_stages (default: DEFAULT_CONFIGS)")
+    p.add_argument("--config", default="", help="WARPS,STAGES,TMA (default: DEFAULT_CONFIGS[128])")
     p.add_argument("--skip", default="", help="comma list of sections to skip: main,tsweep")
+    p.add_argument("--quick", action="store_true",
+                   help="a few minutes: correctness, then H3 and seed at 10/20 %% without tail or gate, "
+                        "kernel vs dense SDPA only; no T sweep")
+    p.add_argument("--spread", type=float, default=0.0,
+                   help="block spread of the timing inputs (solattn.bench.make_inputs); 0 = i.i.d. Gaussians")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU through the interpreter")
     ARGS = p.parse_args()
     if ARGS.dry_run:
@@ -470,19 +485,21 @@ def main():
         os.environ["TRITON_INTERPRET"] = "1"
     say(f"torch {torch.__version__}, triton {__import__('triton').__version__}, {device_name()}, "
         f"backends {solattn.dispatch.registered()}")
-    cfg = KernelConfig(*map(int, ARGS.config.split(","))) if ARGS.config else DEFAULT_CONFIGS[128]
+    cfg = parse_config(ARGS.config) if ARGS.config else DEFAULT_CONFIGS[128]
     corr, sweep_rows, main_rows, t_rows = [], [], [], []
     try:
-        if ARGS.sweep or ARGS.focus:
-            configs = FOCUS if ARGS.focus else SWEEP
-            sweep_rows, best = sweep((1, 600, 2, 64) if ARGS.dry_run else (1, 37296, 56, 128), configs=configs)
-            if 0.1 in best and not ARGS.config:
+        if ARGS.sweep or ARGS.variants:
+            configs = SWEEP if ARGS.sweep else [cfg]
+            variants = tuple(VARIANTS) if ARGS.variants else ()
+            sweep_rows, best = sweep((1, 600, 2, 64) if ARGS.dry_run else (1, 37296, 56, 128),
+                                     configs=configs, variants=variants)
+            if ARGS.sweep and 0.1 in best and not ARGS.config:
                 name = best[0.1]["config"]
                 cfg = next(c for c in configs if cfg_name(c) == name)
                 say(f"  best at 10%: {name}")
         if not ARGS.no_correctness:
-            alt = KernelConfig(1, 4, 3) if cfg.tma else KernelConfig(1, 4, 3, tma=2)
-            corr = correctness([cfg, alt])
+            from dataclasses import replace
+            corr = correctness([cfg, replace(cfg, tma=not cfg.tma)])
         say(f"[{elapsed():.0f} s]")
         if "main" not in ARGS.skip:
             shapes = [("H3", (1, 37296, 56, 128)), ("seed", (2, 4056, 16, 128))]
@@ -490,7 +507,7 @@ def main():
                 shapes = [("H3", (1, 700, 2, 64)), ("seed", (2, 300, 1, 64))]
             main_rows = main_table(shapes, cfg)
         say(f"[{elapsed():.0f} s]")
-        if "tsweep" not in ARGS.skip:
+        if "tsweep" not in ARGS.skip and not ARGS.quick:
             t_rows = t_sweep(cfg, Ts=(256, 512) if ARGS.dry_run else (2048, 4096, 8192, 16384, 32768, 65536))
     except Exception:
         say(traceback.format_exc())

@@ -1,9 +1,9 @@
 """The ``triton`` backend's kernel, run by Triton's CPU interpreter, against the reference.
 
-The interpreter runs the very kernel source the GPU compiles (one difference: under
-the interpreter bf16 products are taken in fp32, because the interpreter's ``tl.dot``
-multiplies bf16 bit patterns as integers; the GPU path is unchanged). Problems are
-tiny (T <= 300, H <= 2, D = 64) so the whole file runs in seconds.
+The interpreter runs the very kernel source the GPU compiles (one difference: for bf16
+inputs ``launch`` hands the interpreter fp32 copies of q, k and v, because the
+interpreter's ``tl.dot`` multiplies bf16 bit patterns as integers; the output stays
+bf16). Problems are tiny (T <= 300, H <= 2, D = 64) so the whole file runs in seconds.
 
 Selection: inputs are fresh Gaussians from fixed seeds; the routing scores of such
 inputs sit far (>> fp32 rounding) from every threshold, and ``_assert_selection_clear``
@@ -182,28 +182,81 @@ def test_coarse_gate(tail):
     _check(validate(q, k, v, topk_ratio=0.3, tail=tail, coarse_gate=gate))
 
 
-@pytest.mark.parametrize("kv_per_iter", [2, 4])
-def test_several_key_blocks_per_step(kv_per_iter):
-    # odd and even counts per query block, dead rows inside a step, bias and tail together
-    T = 300
-    q, k, v = _qkv(1, T, 2, seed=140)
-    block_len = torch.tensor([64, 20, 64, 64, 5], dtype=torch.int32)
-    bias = _rand((1, T), torch.float32, 141)
-    bias[0, 130:150] = -math.inf
-    problem = validate(q, k, v, tau=0.3, tail=True, block_len=block_len, key_bias=bias)
-    plan = build_plan(problem)
-    assert len(set(plan.kv_num_blocks.flatten().tolist()) - {0}) > 1 or kv_per_iter == 4
-    _check(problem, config=KernelConfig(kv_per_iter, 4, 2))
-
-
-@pytest.mark.parametrize("tma", [2, 4])
-def test_tma_descriptor_loads(tma):
-    # B=2 and a ragged T: the flattened descriptor reads the next batch entry's rows past T
-    q, k, v = _qkv(2, 200, 2, seed=150)
-    bias = _rand((2, 200), torch.float32, 151)
+@pytest.mark.parametrize("block_len", [False, True])
+def test_tma_descriptor_loads(block_len):
+    # B=2 and a ragged T: rows past T come back zero-filled from the descriptor and are masked;
+    # with block_len the launcher must fall back to pointer loads (dead rows inside T)
+    B, T = 2, 200
+    q, k, v = _qkv(B, T, 2, seed=150)
+    bias = _rand((B, T), torch.float32, 151)
     gate = _rand(q.shape, torch.bfloat16, 152)
-    _check(validate(q, k, v, topk_ratio=0.3, tail=True, key_bias=bias, coarse_gate=gate),
-           config=KernelConfig(1, 4, 3, tma=tma))
+    kw = dict(block_len=torch.tensor([64, 30, 64, 8], dtype=torch.int32)) if block_len else {}
+    problem = validate(q, k, v, topk_ratio=0.3, tail=True, key_bias=bias, coarse_gate=gate, **kw)
+    got, _ = _check(problem, config=KernelConfig(1, 4, 3, tma=True))
+    pointer = launch(problem, build_plan(problem), config=KernelConfig(1, 4, 3, tma=False))
+    assert torch.equal(got, pointer), "TMA and pointer loads disagree"
+
+
+# ----------------------------------------------------------------------------- configurations
+
+@pytest.mark.parametrize("field,value", [
+    ("kv_per_iter", 2), ("kv_per_iter", 0), ("num_warps", 3), ("num_warps", 16),
+    ("num_stages", 0), ("num_stages", 7), ("tma", 2), ("tma", 4),
+])
+def test_kernel_config_rejects_values_that_do_not_ship(field, value):
+    with pytest.raises(ValueError) as err:
+        KernelConfig(**{field: value})
+    msg = str(err.value)
+    assert f"'{field}'" in msg and repr(value) in msg and "allowed" in msg, msg
+
+
+@pytest.mark.parametrize("field,value", [("kv_per_iter", 1.0), ("num_warps", "4"), ("num_stages", True),
+                                         ("tma", "yes")])
+def test_kernel_config_rejects_wrong_types(field, value):
+    with pytest.raises(TypeError, match=f"'{field}'"):
+        KernelConfig(**{field: value})
+
+
+def test_kernel_config_accepts_what_ships():
+    from solattn.backends.triton import DEFAULT_CONFIGS
+    assert KernelConfig(tma=1) == KernelConfig(tma=True)
+    for cfg in DEFAULT_CONFIGS.values():
+        assert KernelConfig(cfg.kv_per_iter, cfg.num_warps, cfg.num_stages, cfg.tma) == cfg
+
+
+def test_launch_refuses_configs_that_do_not_ship():
+    """Diagnostic and losing variants are not reachable through ``launch``: a config that names
+    one is refused before the kernel runs (the poisoned output stays untouched)."""
+    import dataclasses
+    import types
+    q, k, v = _qkv(1, 130, 1, seed=160)
+    problem = validate(q, k, v, topk_ratio=0.5)
+    plan = build_plan(problem)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    with pytest.raises(TypeError, match="diag"):
+        KernelConfig(1, 4, 3, diag=1)
+    with pytest.raises(ValueError, match="kv_per_iter"):
+        launch(problem, plan, config=dataclasses.replace(KernelConfig(), kv_per_iter=2), out=out)
+    duck = types.SimpleNamespace(kv_per_iter=1, num_warps=4, num_stages=3, tma=False, diag=1)
+    with pytest.raises(TypeError, match="'config'"):
+        launch(problem, plan, config=duck, out=out)
+    assert out.isnan().all()
+
+
+def test_interpreter_run_leaves_triton_unpatched():
+    """An interpreted launch swaps Triton's @jit library functions (tl.sum, tl.max) and the
+    kernel's pieces for interpreted twins only while it runs: afterwards they are the compiled
+    functions again, so a later GPU launch in the same process still compiles them."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    from solattn.backends.triton import kernel
+    before = (tl.sum, tl.max, kernel.softmax_update, kernel.sol_attn_fwd)
+    q, k, v = _qkv(1, 70, 1, seed=170)
+    _check(validate(q, k, v, topk_ratio=0.5, tail=True))
+    after = (tl.sum, tl.max, kernel.softmax_update, kernel.sol_attn_fwd)
+    assert all(a is b for a, b in zip(before, after))
+    assert isinstance(kernel.softmax_update, JITFunction) and isinstance(kernel.sol_attn_fwd, JITFunction)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -241,7 +294,6 @@ def test_sol_attn_entry_point_and_dispatch():
     out = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="triton")
     ref = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="reference")
     assert _rel(out, ref) < TOL
-    assert "triton" in solattn.dispatch.registered()
 
 
 def test_reasons(monkeypatch):

@@ -20,24 +20,55 @@ from ..base import ALL_FEATURES, Backend
 XPU_OPT_IN = "SOLATTN_TRITON_XPU"
 
 
+#: allowed values per KernelConfig field: what the shipped kernel was built and measured with
+#: on the H200 (benchmarks/notes_triton.md); other values are untested or measured slower
+KERNEL_CONFIG_CHOICES = {
+    "kv_per_iter": (1,),
+    "num_warps": (4, 8),
+    "num_stages": (2, 3, 4),
+    "tma": (False, True),
+}
+_CHOICE_WHY = {
+    "kv_per_iter": "the kernel consumes one 64-key block per loop step",
+    "num_warps": "warps per 64-row query block",
+    "num_stages": "software-pipeline depth of the key loop",
+    "tma": "load K/V through (B, T, H, D) TMA descriptors where the inputs allow it",
+}
+
+
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters: key blocks per loop step (64 keys each), warps, pipeline depth."""
+    """Launch parameters of the kernel; every field is checked on construction.
+
+    - ``kv_per_iter``: 64-key blocks per loop step (only 1 ships; 2 lost to register pressure).
+    - ``num_warps``: warps per program (4 or 8; 4 is the fast one for 64-row tiles).
+    - ``num_stages``: pipeline depth of the key loop (2, 3 or 4).
+    - ``tma``: load key/value blocks through ``(B, T, H, D)`` TMA tensor descriptors where the
+      inputs allow it (sm_90+, last dim contiguous, 16-byte aligned strides, no block_len);
+      elsewhere, and with ``False``, pointer loads.
+    """
 
     kv_per_iter: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    #: load key/value blocks through TMA tensor descriptors where the inputs allow it (sm_90+, last
-    #: dim contiguous, 16-byte aligned strides, no block_len): 4 = a (B, T, H, D) descriptor,
-    #: 2 = a (B*T, H*D) one (needs that layout); 0 or not allowed = pointer loads
-    tma: int = 0
-    #: benchmarks only (notes_triton.md): 1 = loop without K/V loads, 2 = loads without math
-    diag: int = 0
+    tma: bool = False
+
+    def __post_init__(self):
+        for field, allowed in KERNEL_CONFIG_CHOICES.items():
+            value = getattr(self, field)
+            if not isinstance(value, int) or (isinstance(value, bool) and field != "tma"):
+                wanted = "a bool" if field == "tma" else "an int"
+                raise TypeError(f"KernelConfig: argument '{field}' received {value!r} of type "
+                                f"{type(value).__name__}; allowed: {wanted}, one of {allowed}")
+            if value not in allowed:
+                raise ValueError(f"KernelConfig: argument '{field}' received {value!r}; allowed: "
+                                 f"{', '.join(map(str, allowed))} ({_CHOICE_WHY[field]})")
+        object.__setattr__(self, "tma", bool(self.tma))
 
 
 #: chosen from the H200 sweeps (benchmarks/notes_triton.md): one key block per step, 4 warps,
 #: 3 stages, K/V through (B, T, H, D) TMA descriptors (1.46x faster than pointer loads at H3)
-DEFAULT_CONFIGS = {d: KernelConfig(1, 4, 3, tma=4) for d in (16, 32, 64, 128)}
+DEFAULT_CONFIGS = {d: KernelConfig(1, 4, 3, tma=True) for d in (16, 32, 64, 128)}
 
 #: below this many programs (B * H * n) the default config uses pointer loads: a host-side
 #: TMA descriptor costs a fixed ~0.1 ms per launch, more than small problems take (H200 T sweep)
@@ -63,18 +94,31 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
            out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run the kernel on ``problem`` with the selection in ``plan``; returns ``(B, T, H, D)`` contiguous.
 
-    ``out``, when given, must be a contiguous ``(B, T, H, D)`` tensor of v's dtype on q's
-    device; the kernel writes every element of it (tests poison it first).
+    ``config`` defaults to ``DEFAULT_CONFIGS`` for the head dim (pointer loads below
+    ``TMA_MIN_PROGRAMS`` programs). ``out``, when given, must be a contiguous ``(B, T, H, D)``
+    tensor of v's dtype on q's device; the kernel writes every element of it (tests poison it first).
     """
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"triton backend: argument 'config' received {type(config).__name__}; "
+                        f"allowed: None or a KernelConfig")
+    cfg = config
+    if cfg is None:
+        cfg = DEFAULT_CONFIGS.get(problem.D, KernelConfig())
+        if problem.B * problem.H * problem.n < TMA_MIN_PROGRAMS:
+            cfg = replace(cfg, tma=False)
+    from . import kernel  # imports triton
+    return run_kernel(kernel.sol_attn_fwd, problem, plan, cfg, out)
+
+
+def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Launch ``jit_kernel``, a ``JITFunction`` with the production kernel's signature, on
+    ``problem`` and ``plan``. :func:`launch` runs the production kernel through it; benchmark
+    experiments (``benchmarks/kernel_variants.py``) run their variants through it too."""
     from . import kernel  # imports triton
 
     q, k, v = problem.q, problem.k, problem.v
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
-    cfg = config
-    if cfg is None:
-        cfg = DEFAULT_CONFIGS.get(D, KernelConfig())
-        if B * H * n < TMA_MIN_PROGRAMS:
-            cfg = replace(cfg, tma=0)
     if out is None:
         out = torch.empty((B, T, H, D), dtype=v.dtype, device=v.device)
     elif out.shape != (B, T, H, D) or out.dtype != v.dtype or out.device != v.device or not out.is_contiguous():
@@ -103,29 +147,26 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
         key_bias, bias_stride_b = key_mean, 0
 
     interpret = _interpreting() or q.device.type == "cpu"
-    fn = kernel.compiled(interpret)
-    use_tma = cfg.tma if cfg.kv_per_iter == 1 and cfg.diag == 0 and _tma_ok(problem, interpret) else 0
-    if use_tma == 2 and not all(t.stride(2) == D and t.stride(0) == T * t.stride(1) for t in (k, v)):
-        use_tma = 4
+    use_tma = cfg.tma and _tma_ok(problem, interpret)
+    if interpret and q.dtype == torch.bfloat16:
+        # The interpreter stores bf16 as raw uint16 bit patterns and its tl.dot multiplies those
+        # as integers (fp16 is a real numpy type and works). Feeding it fp32 copies runs the same
+        # kernel source with exact products; the output keeps v's dtype. Interpreter runs are tiny.
+        q, k, v = (t.to(f32) for t in (q, k, v))
     k_arg, v_arg = k, v
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        if use_tma == 4:
-            k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D]) for t in (k, v))
-        else:
-            k_arg, v_arg = (TensorDescriptor(t, [B * T, H * D], [t.stride(1), 1], [BLOCK, D]) for t in (k, v))
+        k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D]) for t in (k, v))
     grid = (n, B * H)
-    fn[grid](
+    kernel.compiled(interpret, jit_kernel)[grid](
         q, k_arg, v_arg, out, gate,
         kv_num, kv_idx, block_len, key_mean, tail_lse, tail_value, coarse, key_bias,
         *q.stride(), *k.stride(), *v.stride(), *gate.stride(),
         bias_stride_b,
         T, H, n, max_blocks,
         problem.scale * kernel.LOG2E,
-        HEAD_DIM=D, BLOCK=BLOCK, KV_PER_ITER=cfg.kv_per_iter,
-        HAS_TAIL=has_tail, HAS_BIAS=has_bias, HAS_COARSE=has_coarse,
-        DOT_IN_F32=interpret and q.dtype == torch.bfloat16,
-        USE_TMA=use_tma, DIAG=cfg.diag,
+        HEAD_DIM=D, BLOCK=BLOCK,
+        HAS_TAIL=has_tail, HAS_BIAS=has_bias, HAS_COARSE=has_coarse, KV_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -3,7 +3,8 @@
 Each program loads its query block once, walks that block's ``kv_indices`` with an
 online softmax in base 2, and writes the finished rows. Nothing is gathered in
 memory: key and value rows are read straight from the caller's ``(B, T, H, D)``
-tensors through their strides.
+tensors, through their strides (pointer loads) or through ``(B, T, H, D)`` TMA
+tensor descriptors (``KV_TMA``, sm_90+).
 
 Two identities keep the inner loop as short as dense flash attention's:
 
@@ -17,70 +18,56 @@ Two identities keep the inner loop as short as dense flash attention's:
   online softmax starts from that key: running max = its logit, running sum = 1,
   accumulator = its value. An empty tail (``tail_lse = -inf``) starts from nothing.
 
-The function below is plain Python; :func:`compiled` wraps it either for the GPU
-(``triton.jit``) or for Triton's CPU interpreter, chosen per call, so that the same
-source runs in CI without a GPU.
+The kernel is built from small ``@jit`` pieces (query block and starting state, one
+key block's logits, the online-softmax update, the epilogue) so that benchmark
+experiments can assemble variants of the loop from the same pieces.
+
+Every function here is a compiled ``JITFunction`` whatever ``TRITON_INTERPRET`` said
+when this module was imported; :func:`compiled` hands out either the GPU kernel or an
+interpreted one, chosen per call, so the same source runs in CI without a GPU.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
-import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 LOG2E = math.log2(math.e)
 
-# Reductions go through tl.reduce with Triton's own combine functions rather than
-# tl.sum / tl.max: those are @triton.jit library functions, which the CPU interpreter
-# can only call when TRITON_INTERPRET=1 was set before triton was first imported,
-# whereas tl.reduce is a builtin the interpreter patches (and it recognises these
-# two combine functions and reduces with numpy).
-_ADD = tl.standard._sum_combine
-_MAX = tl.standard._elementwise_max
+
+def gpu_jit(fn):
+    # not triton.jit: that returns an interpreted function when TRITON_INTERPRET=1 happens to
+    # be set at import time, and the process would then never compile for the GPU
+    return JITFunction(fn)
 
 
-def _sol_attn_fwd(
-    Q, K, V, Out, Gate,
-    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
-    sqb, sqt, sqh, sqd,
-    skb, skt, skh, skd,
-    svb, svt, svh, svd,
-    sgb, sgt, sgh, sgd,
-    s_bias_b,
-    T, H, n_blocks, max_blocks,
-    qk_scale,                      # scale * log2(e): logits are kept in base 2
-    HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr,           # 64: the routing block, query rows per program
-    KV_PER_ITER: tl.constexpr,     # key blocks (from kv_indices) consumed per loop step
-    HAS_TAIL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_COARSE: tl.constexpr,
-    DOT_IN_F32: tl.constexpr,      # interpreter only: its tl.dot multiplies bf16 bit patterns as integers
-    USE_TMA: tl.constexpr = 0,     # K, V as TMA descriptors: 4 = (B, T, H, D), 2 = (B*T, H*D) (KV_PER_ITER == 1)
-    DIAG: tl.constexpr = 0,        # benchmarks only: 1 = no K/V loads in the loop, 2 = loads only, no math
-):
-    BLOCK_N: tl.constexpr = BLOCK * KV_PER_ITER
-    q_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    plan_row = bh.to(tl.int64) * n_blocks + q_block   # flat index of (b, h, i) in the plan
-
+@gpu_jit
+def query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
+                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's query rows: ``(q, tok_q, row_ok)``; dead rows (block_len) read as zeros,
+    so their outputs are unspecified but finite."""
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     tok_q = q_block * BLOCK + rows
     row_ok = tok_q < T
     q_ptrs = Q + b * sqb + h * sqh + tok_q.to(tl.int64)[:, None] * sqt + dims[None, :] * sqd
-    # dead query rows (block_len) are read as zeros: their outputs are unspecified but finite
     q_live = row_ok & (rows < tl.load(BlockLen + q_block))
     q = tl.load(q_ptrs, mask=q_live[:, None], other=0.0)
+    return q, tok_q, row_ok
 
-    # per-row shift that stands in for centring the keys (base-2 units)
-    key_mean = tl.load(KeyMean + bh.to(tl.int64) * HEAD_DIM + dims)
-    shift = tl.reduce(q.to(tl.float32) * key_mean[None, :], 1, _ADD) * qk_scale
 
+@gpu_jit
+def start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """Online-softmax state ``(m, l, acc)`` before the first key block: the tail key, or nothing."""
+    dims = tl.arange(0, HEAD_DIM)
     if HAS_TAIL:
+        # per-row shift that stands in for centring the keys (base-2 units)
+        key_mean = tl.load(KeyMean + bh.to(tl.int64) * HEAD_DIM + dims)
+        shift = tl.sum(q.to(tl.float32) * key_mean[None, :], 1) * qk_scale
         tail_lse = tl.load(TailLse + plan_row)
         tail_live = tail_lse > float("-inf")
         m_i = shift + tail_lse * 1.4426950408889634
@@ -91,79 +78,39 @@ def _sol_attn_fwd(
         m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
         l_i = tl.full([BLOCK], 0.0, tl.float32)
         acc = tl.full([BLOCK, HEAD_DIM], 0.0, tl.float32)
+    return m_i, l_i, acc
 
-    count = tl.load(KvNum + plan_row)
-    idx_row = KvIdx + plan_row * max_blocks
-    cols = tl.arange(0, BLOCK_N)
-    slot_in_step = cols // BLOCK        # which of the KV_PER_ITER blocks a column belongs to
-    row_in_block = cols % BLOCK
-    if USE_TMA:
-        b32 = bh // H
-        h32 = bh % H
-    else:
-        k_base = K + b * skb + h * skh
-        v_base = V + b * svb + h * svh
-    if DIAG == 1:  # the first block's keys and values, loaded once (times the loop without its loads)
-        tok0 = (tl.load(idx_row) * BLOCK + row_in_block).to(tl.int64)
-        k_fixed = tl.load(k_base + tok0[:, None] * skt + dims[None, :] * skd)
-        v_fixed = tl.load(v_base + tok0[:, None] * svt + dims[None, :] * svd)
-    for step in range(0, (count + KV_PER_ITER - 1) // KV_PER_ITER):
-        if USE_TMA:
-            # one block per step; without block_len the only dead rows are past T (zero-filled or masked)
-            kv_block = tl.load(idx_row + step)
-            live = (kv_block * BLOCK + row_in_block) < T
-            tok_k = (kv_block * BLOCK + row_in_block).to(tl.int64)
-            if USE_TMA == 4:
-                k = K.load([b32, kv_block * BLOCK, h32, 0]).reshape(BLOCK, HEAD_DIM)
-            else:  # rows past T come from the next batch entry: finite, and masked out through `live`
-                k = K.load([b32 * T + kv_block * BLOCK, h32 * HEAD_DIM])
-        else:
-            slot = step * KV_PER_ITER + slot_in_step
-            slot_ok = slot < count
-            kv_block = tl.load(idx_row + slot, mask=slot_ok, other=0)
-            live_len = tl.load(BlockLen + kv_block)
-            live = slot_ok & (row_in_block < live_len)      # dead rows are never keys
-            tok_k = (kv_block * BLOCK + row_in_block).to(tl.int64)
-            if DIAG == 1:
-                k = k_fixed
-            else:
-                k = tl.load(k_base + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
-        if DIAG == 2:
-            v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
-            acc += k.to(tl.float32) + v.to(tl.float32)
-            l_i += 1.0
-        else:
-            if DOT_IN_F32:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-            if HAS_BIAS:
-                bias = tl.load(KeyBias + b * s_bias_b + tok_k, mask=live, other=0.0)
-                # a huge finite bias (an fp32 finfo.min "mask") must stay finite in base 2
-                bias = tl.where(bias == float("-inf"), bias, tl.minimum(tl.maximum(bias, -1e30), 1e30))
-                s = s + bias[None, :] * 1.4426950408889634
-            s = tl.where(live[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-            # a row with nothing finite yet keeps m = -inf; subtract 0 there to avoid inf - inf
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_ref)
-            p = tl.math.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
-            if USE_TMA:
-                if USE_TMA == 4:
-                    v = V.load([b32, kv_block * BLOCK, h32, 0]).reshape(BLOCK, HEAD_DIM)
-                else:
-                    v = V.load([b32 * T + kv_block * BLOCK, h32 * HEAD_DIM])
-            elif DIAG == 1:
-                v = v_fixed
-            else:
-                v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
-            if DOT_IN_F32:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
 
+@gpu_jit
+def block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS: tl.constexpr):
+    """Base-2 logits of the query block against one key block; dead keys are -inf."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if HAS_BIAS:
+        bias = tl.load(bias_row + tok_k, mask=live, other=0.0)
+        # a huge finite bias (an fp32 finfo.min "mask") must stay finite in base 2
+        bias = tl.where(bias == float("-inf"), bias, tl.minimum(tl.maximum(bias, -1e30), 1e30))
+        s = s + bias[None, :] * 1.4426950408889634
+    return tl.where(live[None, :], s, float("-inf"))
+
+
+@gpu_jit
+def softmax_update(s, m_i, l_i):
+    """Fold one block of logits into the running max and sum: ``(p, alpha, m_new, l_new)``;
+    the caller rescales its accumulator by ``alpha`` and adds ``p @ v``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row with nothing finite yet keeps m = -inf; subtract 0 there to avoid inf - inf
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gpu_jit
+def write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
+               sgb, sgt, sgh, sgd, HEAD_DIM: tl.constexpr, HAS_COARSE: tl.constexpr):
+    """Normalise, add the coarse term, store into the contiguous ``(B, T, H, D)`` output."""
+    dims = tl.arange(0, HEAD_DIM)
     # a row whose terms are all -inf has l = 0 (and acc = 0): it returns 0, not NaN
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out = out.to(Out.dtype.element_ty)
@@ -171,29 +118,133 @@ def _sol_attn_fwd(
         g_ptrs = Gate + b * sgb + h * sgh + tok_q.to(tl.int64)[:, None] * sgt + dims[None, :] * sgd
         gate = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         coarse = tl.load(Coarse + plan_row * HEAD_DIM + dims)
-        # added after the cast to v's dtype (SPEC.md): round both terms, add in fp32, round once
-        # more, which is what a bf16/fp16 add does (and the interpreter's bf16 add does not)
+        # added after the cast to v's dtype (the spec's order): round both terms, add in fp32,
+        # round once more, which is what a bf16/fp16 add does (and the interpreter's does not)
         coarse_term = (gate * coarse[None, :]).to(Out.dtype.element_ty)
         out = (out.to(tl.float32) + coarse_term.to(tl.float32)).to(Out.dtype.element_ty)
     o_ptrs = Out + ((b * T + tok_q.to(tl.int64)[:, None]) * H + h) * HEAD_DIM + dims[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None])
 
 
-_COMPILED = {}
+@gpu_jit
+def sol_attn_fwd(
+    Q, K, V, Out, Gate,
+    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
+    sqb, sqt, sqh, sqd,
+    skb, skt, skh, skd,
+    svb, svt, svh, svd,
+    sgb, sgt, sgh, sgd,
+    s_bias_b,
+    T, H, n_blocks, max_blocks,
+    qk_scale,                      # scale * log2(e): logits are kept in base 2
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,           # 64: the routing block, query rows per program, keys per step
+    HAS_TAIL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_COARSE: tl.constexpr,
+    KV_TMA: tl.constexpr,          # K, V are (B, T, H, D) TMA descriptors (no block_len) instead of pointers
+):
+    q_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    plan_row = bh.to(tl.int64) * n_blocks + q_block   # flat index of (b, h, i) in the plan
 
+    q, tok_q, row_ok = query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T, HEAD_DIM, BLOCK)
+    m_i, l_i, acc = start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
+                                HEAD_DIM, BLOCK, HAS_TAIL)
 
-def compiled(interpret: bool):
-    """The kernel as a launchable Triton function: GPU-compiled, or run by Triton's CPU interpreter.
-
-    Built on first use and cached; chosen per call rather than at import so that
-    ``TRITON_INTERPRET`` can be set after solattn is imported (tests do).
-    """
-    key = bool(interpret)
-    if key not in _COMPILED:
-        if key:
-            from triton.runtime.interpreter import InterpretedFunction
-            _COMPILED[key] = InterpretedFunction(_sol_attn_fwd)
+    count = tl.load(KvNum + plan_row)
+    idx_row = KvIdx + plan_row * max_blocks
+    rows = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    bias_row = KeyBias + b * s_bias_b
+    if not KV_TMA:
+        k_base = K + b * skb + h * skh
+        v_base = V + b * svb + h * svh
+    for step in range(0, count):
+        kv_block = tl.load(idx_row + step)
+        tok_k = (kv_block * BLOCK + rows).to(tl.int64)
+        if KV_TMA:
+            # without block_len the only dead rows are past T, which the descriptor zero-fills
+            live = tok_k < T
+            k = K.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
         else:
-            from triton.runtime.jit import JITFunction
-            _COMPILED[key] = JITFunction(_sol_attn_fwd)
-    return _COMPILED[key]
+            live = rows < tl.load(BlockLen + kv_block)      # dead rows are never keys
+            k = tl.load(k_base + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
+        s = block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS)
+        p, alpha, m_i, l_i = softmax_update(s, m_i, l_i)
+        if KV_TMA:
+            v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+        else:
+            v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+    write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
+               sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
+
+
+# ----------------------------------------------------------------------------- interpreter
+
+@contextmanager
+def _jit_calls_interpreted(kernel: JITFunction):
+    """While the interpreter runs ``kernel``, let it call ``@jit`` functions.
+
+    The interpreter can call a ``@jit`` function (``tl.sum``, ``tl.max``, the pieces above)
+    only if it was created while ``TRITON_INTERPRET=1`` was set; this module and Triton are
+    usually imported before that (tests set it per test). So for the duration of the run,
+    every ``JITFunction`` the kernel can reach through ``triton.language`` or through the
+    globals of non-Triton modules is swapped for an interpreted twin, the way the
+    interpreter itself patches ``tl`` for a run; everything is put back afterwards.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    changes = []
+
+    def swap(namespace):
+        for name, value in list(namespace.items()):
+            if isinstance(value, JITFunction):
+                changes.append((namespace, name, value))
+                namespace[name] = InterpretedFunction(value.fn)
+                if not value.fn.__module__.startswith("triton"):
+                    reach(value.fn.__globals__)
+
+    seen = set()
+
+    def reach(namespace):
+        if id(namespace) not in seen:
+            seen.add(id(namespace))
+            swap(namespace)
+
+    try:
+        reach(vars(tl))
+        reach(kernel.fn.__globals__)
+        yield
+    finally:
+        for namespace, name, value in reversed(changes):
+            namespace[name] = value
+
+
+class _Interpreted:
+    """``kernel[grid](...)`` run by Triton's CPU interpreter (see :func:`_jit_calls_interpreted`)."""
+
+    def __init__(self, kernel: JITFunction):
+        from triton.runtime.interpreter import InterpretedFunction
+        self.kernel = kernel
+        self.interpreted = InterpretedFunction(kernel.fn)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            with _jit_calls_interpreted(self.kernel):
+                return self.interpreted[grid](*args, **kwargs)
+        return run
+
+
+def compiled(interpret: bool, kernel: JITFunction = sol_attn_fwd):
+    """``kernel`` (default: the production kernel) as a launchable Triton function: compiled for
+    the GPU, or run by Triton's CPU interpreter.
+
+    Chosen per call rather than at import so that ``TRITON_INTERPRET`` can be set after solattn
+    is imported (tests do).
+    """
+    return _Interpreted(kernel) if interpret else kernel
