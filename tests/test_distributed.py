@@ -264,6 +264,33 @@ def test_argument_errors_before_the_exchange(results, name, pattern):
     assert errs[0] == errs[1]                                      # the same text on every rank
 
 
+def _torchrun(script, *args, timeout=180):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          f"--nproc-per-node={WORLD}", str(ROOT / script), *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_example_under_torchrun():
+    out = _torchrun("examples/distributed_sol_attn.py", "--device", "cpu")
+    lines = re.findall(r"^(sol_attn|video_sparse_attn).*rel. L2 vs one device (\S+) -> (\w+)$", out, re.M)
+    assert [name for name, _, _ in lines] == ["sol_attn", "video_sparse_attn"], out
+    assert all(status == "OK" and float(err) < 1e-5 for _, err, status in lines), out
+
+
+def test_benchmark_tiny_under_torchrun(tmp_path):
+    path = tmp_path / "bench.md"
+    _torchrun("benchmarks/bench_distributed.py", "--device", "cpu", "--tiny", "--out", str(path))
+    rows = [line.split("|")[1:-1] for line in path.read_text().splitlines() if re.match(r"\| \d", line)]
+    assert [int(r[0]) for r in rows] == [1000, 2000]
+    for r in rows:
+        assert r[1].strip() == f"{int(r[0]) // 2}/{int(r[0]) // 2}"     # shard_lengths
+        assert float(r[-1]) < 1e-5                    # distributed output equals the one-device output
+        assert all(float(r[i]) > 0 for i in (3, 4, 6, 7, 8))   # every time was measured
+
+
 def test_errors_without_a_process_group():
     q = torch.randn(1, 64, 2, 16)
     if torch.distributed.is_initialized():
