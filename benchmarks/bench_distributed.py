@@ -223,13 +223,13 @@ def main():
         args.dtype = torch.float32
 
     local = int(os.environ.get("LOCAL_RANK", 0))
+    dev = torch.device(args.device, local) if args.device != "cpu" else torch.device("cpu")
     if args.device == "cuda":
         torch.cuda.set_device(local)
     elif args.device == "xpu":
         torch.xpu.set_device(local)
-    dev = torch.device(args.device, local) if args.device != "cpu" else torch.device("cpu")
     dist.init_process_group({"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}[args.device],
-                            timeout=timedelta(minutes=5))
+                            timeout=timedelta(minutes=5), device_id=dev if dev.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.heads % world:
         sys.exit(f"--heads {args.heads} is not divisible by the number of processes {world}")

@@ -40,9 +40,10 @@ def main():
         torch.cuda.set_device(local)
     elif device == "xpu":
         torch.xpu.set_device(local)
-    dist.init_process_group({"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}[device])
-    rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device(device, local) if device != "cpu" else torch.device("cpu")
+    dist.init_process_group({"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}[device],
+                            device_id=dev if dev.type == "cuda" else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
 
     t, h, w = args.grid
     T = args.prefix + t * h * w

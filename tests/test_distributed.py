@@ -42,6 +42,8 @@ CASES = {
                                 block_len=True, kwargs=dict(topk_ratio=0.3, sink_blocks=(0, 1))),
     "uneven_lens_given": dict(kind="sol", B=1, T=200, H=2, D=16, lens=[37, 163], pass_lens=True,
                               gate=True, kwargs=dict(topk_ratio=0.4)),
+    "gate_fp32_q_bf16": dict(kind="sol", B=1, T=200, H=2, D=32, dtype=torch.bfloat16, gate=True,
+                             gate_dtype=torch.float32, kwargs=dict(topk_ratio=0.25)),
     "empty_shard": dict(kind="sol", B=1, T=50, H=2, D=16, lens=[50, 0], kwargs=dict(tau=0.0)),
     "grad_sol": dict(kind="sol", B=1, T=200, H=4, D=16, lens=[130, 70], gate=True,
                      key_bias="bool2d", grad=True, kwargs=dict(topk_ratio=0.25)),
@@ -71,7 +73,7 @@ def case_inputs(case, D=None):
     q, k, v = block_structured_qkv(B, T, H, D, dtype, seed=sum(map(ord, str(sorted(case)))) % 1000,
                                    spread=3.0, key_offset=4.0, normalise=True)
     g = torch.Generator().manual_seed(7)
-    gate = torch.randn(B, T, H, D, generator=g).to(dtype) if case.get("gate") else None
+    gate = torch.randn(B, T, H, D, generator=g).to(case.get("gate_dtype", dtype)) if case.get("gate") else None
     kb = None
     if case.get("key_bias") == "float1d":
         kb = torch.randn(T, generator=g)
@@ -210,10 +212,10 @@ def test_matches_single_process(results, name):
     assert got.shape == want.shape and got.dtype == want.dtype
     tol = 1e-2 if case.get("dtype") == torch.bfloat16 else 1e-5
     assert rel_l2(got, want) < tol
-    # one all-to-all in (q, k, v and the gate share a dtype), one out; the shard table is gathered
+    # one all-to-all in per dtype among q, k, v, gate, one out; the shard table is gathered
     # unless given
     calls = per_rank[0]["collectives"]
-    assert calls.get("all_to_all_single") == 2
+    assert calls.get("all_to_all_single") == (3 if "gate_dtype" in case else 2)
     assert calls.get("all_gather", 0) == (0 if case.get("pass_lens") else 1)
     if case.get("grad"):
         for i, name_ in enumerate(("q", "k", "v", "gate")):
