@@ -20,7 +20,6 @@ backward is the inverse all-to-all, so everything is differentiable.
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import List, Optional, Sequence, Tuple
 

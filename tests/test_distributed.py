@@ -17,6 +17,7 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +58,8 @@ CASES = {
     "err_mismatch": dict(kind="sol", B=1, T=128, H=2, D=16, D_rank1=8, kwargs=dict(topk_ratio=0.25)),
     "err_key_bias_sharded": dict(kind="sol", B=1, T=128, H=2, D=16, key_bias="sharded",
                                  kwargs=dict(topk_ratio=0.25)),
+    "err_shard_lens": dict(kind="sol", B=1, T=128, H=2, D=16, bad_shard_lens=[60, 68],
+                           kwargs=dict(topk_ratio=0.25)),
     "err_vsa_grid": dict(kind="vsa", B=1, T=127, H=2, D=16, kwargs=dict(grid=(3, 6, 6), prefix_len=37, topk=2)),
 }
 
@@ -110,6 +113,8 @@ def run_case(case, rank, counts):
     shards = [None if x is None else x[:, sl].clone().requires_grad_(bool(case.get("grad")))
               for x in (q, k, v, gate)]
     extra = {"shard_lens": lens} if case.get("pass_lens") else {}
+    if case.get("bad_shard_lens"):
+        extra = {"shard_lens": case["bad_shard_lens"]}
     counts.clear()
     res = {}
     try:
@@ -166,8 +171,6 @@ def _launch(script_args, timeout, cwd=ROOT):
         assert p.returncode == 0, f"worker failed (rc {p.returncode}):\n{o}\n{e}"
     return outs
 
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +244,14 @@ def test_heads_not_divisible_before_any_communication(results):
         assert "argument 'q'" in msg and "H=3" in msg and "divisible by the group size 2" in msg
         assert res["collectives"] == {}           # nothing was sent
         assert res["alive"] == 2.0                # and the ranks are still in step
+
+
+def test_shard_lens_that_do_not_match_the_shards(results):
+    for r, res in enumerate(results["err_shard_lens"]):
+        kind, msg = res["error"]
+        assert kind == "ValueError" and "argument 'shard_lens' received [60, 68]" in msg
+        assert f"entry {r} equals this rank's shard length T_r = 64" in msg
+        assert res["collectives"] == {} and res["alive"] == 2.0
 
 
 def test_mismatch_across_ranks_raises_the_same_error_everywhere(results):
