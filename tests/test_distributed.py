@@ -1,0 +1,319 @@
+"""solattn.distributed on the CPU: 2 Gloo processes against single-process results.
+
+The module-scoped fixture starts this file as a script in 2 processes (a file:// rendezvous,
+a time limit on the whole run); each runs every case of ``CASES`` on its shard and saves its
+output shard, gradient shards, errors and the number of collectives it issued. The tests
+rebuild the whole inputs from the same seeds, run the single-device function in this process
+and compare.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":  # worker: import this checkout's package
+    sys.path.insert(0, str(ROOT))
+
+import solattn  # noqa: E402
+import solattn.distributed as sd  # noqa: E402
+from solattn.synthetic import block_structured_qkv  # noqa: E402
+
+WORLD = 2
+RUN_TIMEOUT_S = 240  # both processes, every case; a healthy run takes ~15 s on a busy 2-core machine
+
+# name -> case. kind: "sol" (solattn.sol_attn) or "vsa" (video_sparse_attn). lens: per-rank shard
+# lengths (default: shard_lengths); pass_lens: give them as shard_lens= instead of gathering.
+CASES = {
+    "topk": dict(kind="sol", B=1, T=300, H=4, D=16, kwargs=dict(topk_ratio=0.25, tail=True)),
+    "tau_tail_ragged": dict(kind="sol", B=1, T=333, H=4, D=16, key_bias="float1d",
+                            kwargs=dict(tau=0.5, tail=True)),
+    "bf16_topk_no_tail": dict(kind="sol", B=1, T=256, H=2, D=32, dtype=torch.bfloat16,
+                              kwargs=dict(topk_ratio=0.3, tail=False)),
+    "gate_bias_block_len": dict(kind="sol", B=2, T=260, H=4, D=16, gate=True, key_bias="bool2d",
+                                block_len=True, kwargs=dict(topk_ratio=0.3, sink_blocks=(0, 1))),
+    "uneven_lens_given": dict(kind="sol", B=1, T=200, H=2, D=16, lens=[37, 163], pass_lens=True,
+                              gate=True, kwargs=dict(topk_ratio=0.4)),
+    "gate_fp32_q_bf16": dict(kind="sol", B=1, T=200, H=2, D=32, dtype=torch.bfloat16, gate=True,
+                             gate_dtype=torch.float32, kwargs=dict(topk_ratio=0.25)),
+    "empty_shard": dict(kind="sol", B=1, T=50, H=2, D=16, lens=[50, 0], kwargs=dict(tau=0.0)),
+    "grad_sol": dict(kind="sol", B=1, T=200, H=4, D=16, lens=[130, 70], gate=True,
+                     key_bias="bool2d", grad=True, kwargs=dict(topk_ratio=0.25)),
+    "vsa_prefix_gate": dict(kind="vsa", B=1, T=127, H=2, D=16, gate=True,
+                            kwargs=dict(grid=(3, 6, 5), prefix_len=37, topk=2)),
+    "vsa_prefix_cut": dict(kind="vsa", B=1, T=127, H=4, D=16, lens=[20, 107],
+                           kwargs=dict(grid=(3, 6, 5), prefix_len=37, sparsity=0.5)),
+    "grad_vsa": dict(kind="vsa", B=1, T=127, H=2, D=16, gate=True, grad=True, lens=[90, 37],
+                     kwargs=dict(grid=(3, 6, 5), prefix_len=37, topk=2)),
+    "err_heads": dict(kind="sol", B=1, T=128, H=3, D=16, kwargs=dict(topk_ratio=0.25)),
+    "err_mismatch": dict(kind="sol", B=1, T=128, H=2, D=16, D_rank1=8, kwargs=dict(topk_ratio=0.25)),
+    "err_key_bias_sharded": dict(kind="sol", B=1, T=128, H=2, D=16, key_bias="sharded",
+                                 kwargs=dict(topk_ratio=0.25)),
+    "err_shard_lens": dict(kind="sol", B=1, T=128, H=2, D=16, bad_shard_lens=[60, 68],
+                           kwargs=dict(topk_ratio=0.25)),
+    "err_vsa_grid": dict(kind="vsa", B=1, T=127, H=2, D=16, kwargs=dict(grid=(3, 6, 6), prefix_len=37, topk=2)),
+}
+
+
+def case_lens(case):
+    return case.get("lens") or sd.shard_lengths(case["T"], WORLD)
+
+
+def case_inputs(case, D=None):
+    """The whole inputs of a case: q, k, v, gate, key_bias, block_len, loss weight."""
+    B, T, H = case["B"], case["T"], case["H"]
+    D = D or case["D"]
+    dtype = case.get("dtype", torch.float32)
+    q, k, v = block_structured_qkv(B, T, H, D, dtype, seed=sum(map(ord, str(sorted(case)))) % 1000,
+                                   spread=3.0, key_offset=4.0, normalise=True)
+    g = torch.Generator().manual_seed(7)
+    gate = torch.randn(B, T, H, D, generator=g).to(case.get("gate_dtype", dtype)) if case.get("gate") else None
+    kb = None
+    if case.get("key_bias") == "float1d":
+        kb = torch.randn(T, generator=g)
+    elif case.get("key_bias") == "bool2d":
+        kb = torch.rand(B, T, generator=g) > 0.2
+        kb[:, :64] = True                        # every row keeps at least its own first block
+    block_len = None
+    if case.get("block_len"):
+        n = -(-T // 64)
+        block_len = torch.randint(20, 65, (n,), generator=g, dtype=torch.int32)
+    w = torch.randn(B, T, H, D, generator=g)
+    return q, k, v, gate, kb, block_len, w
+
+
+def call(mod, case, q, k, v, gate, kb, block_len, **extra):
+    kw = dict(case["kwargs"])
+    if case["kind"] == "sol":
+        return mod.sol_attn(q, k, v, key_bias=kb, block_len=block_len, coarse_gate=gate, **kw, **extra)
+    grid = kw.pop("grid")
+    return mod.video_sparse_attn(q, k, v, grid, gate=gate, **kw, **extra)
+
+
+# ---------------------------------------------------------------------------------- the workers
+
+def run_case(case, rank, counts):
+    import torch.distributed as dist
+
+    D = case.get("D_rank1") if rank == 1 and case.get("D_rank1") else None
+    q, k, v, gate, kb, block_len, w = case_inputs(case, D)
+    lens = case_lens(case)
+    sl = slice(sum(lens[:rank]), sum(lens[:rank + 1]))
+    if case.get("key_bias") == "sharded":
+        kb = torch.ones(q.shape[1], dtype=torch.bool)[sl]
+    shards = [None if x is None else x[:, sl].clone().requires_grad_(bool(case.get("grad")))
+              for x in (q, k, v, gate)]
+    extra = {"shard_lens": lens} if case.get("pass_lens") else {}
+    if case.get("bad_shard_lens"):
+        extra = {"shard_lens": case["bad_shard_lens"]}
+    counts.clear()
+    res = {}
+    try:
+        out = call(sd, case, *shards, kb, block_len, **extra)
+    except Exception as err:  # noqa: BLE001 - recorded for the test to inspect
+        res["error"] = (type(err).__name__, str(err))
+        res["collectives"] = dict(counts)
+        alive = torch.ones(1)
+        dist.all_reduce(alive)   # both ranks must still be in step after the error
+        res["alive"] = alive.item()
+        return res
+    res["collectives"] = dict(counts)
+    res["out"] = out.detach()
+    if case.get("grad"):
+        (out.float() * w[:, sl]).sum().backward()
+        res["grads"] = [None if x is None else x.grad for x in shards]
+    return res
+
+
+def worker(rank, init_file, outdir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    counts = {}
+    for name in ("all_gather", "all_to_all_single"):       # count the collectives each call issues
+        def counted(*a, _f=getattr(dist, name), _n=name, **kw):
+            counts[_n] = counts.get(_n, 0) + 1
+            return _f(*a, **kw)
+        setattr(dist, name, counted)
+    for name, case in CASES.items():
+        torch.save(run_case(case, rank, counts), os.path.join(outdir, f"{name}.{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------- the tests
+
+def _launch(script_args, timeout, cwd=ROOT):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, *script_args(rank)], cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(WORLD)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"distributed workers did not finish within {timeout} s")
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, f"worker failed (rc {p.returncode}):\n{o}\n{e}"
+    return outs
+
+
+
+@pytest.fixture(scope="module")
+def results():
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        _launch(lambda r: [__file__, "--worker", str(r), init_file, tmp], RUN_TIMEOUT_S)
+        yield {name: [torch.load(os.path.join(tmp, f"{name}.{r}.pt")) for r in range(WORLD)]
+               for name in CASES}
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def single(case):
+    q, k, v, gate, kb, block_len, w = case_inputs(case)
+    leaves = [None if x is None else x.clone().requires_grad_(bool(case.get("grad"))) for x in (q, k, v, gate)]
+    out = call(solattn, case, *leaves, kb, block_len)
+    grads = None
+    if case.get("grad"):
+        (out.float() * w).sum().backward()
+        grads = [None if x is None else x.grad for x in leaves]
+    return out.detach(), grads
+
+
+OK_CASES = [n for n in CASES if not n.startswith("err_")]
+
+
+@pytest.mark.parametrize("name", OK_CASES)
+def test_matches_single_process(results, name):
+    case = CASES[name]
+    per_rank = results[name]
+    for r, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {r}: {res['error']}"
+        assert res["out"].shape[1] == case_lens(case)[r]            # sharded like q
+        assert res["out"].is_contiguous()
+    want, want_grads = single(case)
+    got = torch.cat([res["out"] for res in per_rank], dim=1)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = 1e-2 if case.get("dtype") == torch.bfloat16 else 1e-5
+    assert rel_l2(got, want) < tol
+    # one all-to-all in per dtype among q, k, v, gate, one out; the shard table is gathered
+    # unless given
+    calls = per_rank[0]["collectives"]
+    assert calls.get("all_to_all_single") == (3 if "gate_dtype" in case else 2)
+    assert calls.get("all_gather", 0) == (0 if case.get("pass_lens") else 1)
+    if case.get("grad"):
+        for i, name_ in enumerate(("q", "k", "v", "gate")):
+            if want_grads[i] is None:
+                continue
+            got_g = torch.cat([res["grads"][i] for res in per_rank], dim=1)
+            assert rel_l2(got_g, want_grads[i]) < 1e-5, name_
+
+
+def test_shard_lengths():
+    assert sd.shard_lengths(10, 4) == [3, 3, 3, 1]
+    assert sd.shard_lengths(9, 4) == [3, 3, 3, 0]
+    assert sd.shard_lengths(37296, 7) == [5328] * 7
+    assert sd.shard_lengths(5, 1) == [5]
+    with pytest.raises(ValueError, match="'world_size' received 0"):
+        sd.shard_lengths(5, 0)
+
+
+def test_heads_not_divisible_before_any_communication(results):
+    for res in results["err_heads"]:
+        kind, msg = res["error"]
+        assert kind == "ValueError"
+        assert "argument 'q'" in msg and "H=3" in msg and "divisible by the group size 2" in msg
+        assert res["collectives"] == {}           # nothing was sent
+        assert res["alive"] == 2.0                # and the ranks are still in step
+
+
+def test_shard_lens_that_do_not_match_the_shards(results):
+    for r, res in enumerate(results["err_shard_lens"]):
+        kind, msg = res["error"]
+        assert kind == "ValueError" and "argument 'shard_lens' received [60, 68]" in msg
+        assert f"entry {r} equals this rank's shard length T_r = 64" in msg
+        assert res["collectives"] == {} and res["alive"] == 2.0
+
+
+def test_mismatch_across_ranks_raises_the_same_error_everywhere(results):
+    errs = [res["error"] for res in results["err_mismatch"]]
+    assert errs[0] == errs[1]
+    kind, msg = errs[0]
+    assert kind == "ValueError" and "D differ across ranks" in msg and "rank 0: 16, rank 1: 8" in msg
+    assert all(res["collectives"] == {"all_gather": 1} for res in results["err_mismatch"])
+    assert all(res["alive"] == 2.0 for res in results["err_mismatch"])
+
+
+@pytest.mark.parametrize("name,pattern", [
+    ("err_key_bias_sharded", r"argument 'key_bias' received a tensor of shape \(\d+,\).*T=128"),
+    ("err_vsa_grid", r"solattn.distributed.video_sparse_attn: argument 'q'.*T=127 tokens in shards"),
+])
+def test_argument_errors_before_the_exchange(results, name, pattern):
+    errs = [res["error"] for res in results[name]]
+    for res in results[name]:
+        kind, msg = res["error"]
+        assert kind == "ValueError" and re.search(pattern, msg), msg
+        assert "all_to_all_single" not in res["collectives"]      # q, k, v never left the rank
+        assert res["alive"] == 2.0
+    assert errs[0] == errs[1]                                      # the same text on every rank
+
+
+def _torchrun(script, *args, timeout=180):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          f"--nproc-per-node={WORLD}", str(ROOT / script), *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_example_under_torchrun():
+    out = _torchrun("examples/distributed_sol_attn.py", "--device", "cpu")
+    lines = re.findall(r"^(sol_attn|video_sparse_attn).*rel. L2 vs one device (\S+) -> (\w+)$", out, re.M)
+    assert [name for name, _, _ in lines] == ["sol_attn", "video_sparse_attn"], out
+    assert all(status == "OK" and float(err) < 1e-5 for _, err, status in lines), out
+
+
+def test_benchmark_tiny_under_torchrun(tmp_path):
+    path = tmp_path / "bench.md"
+    _torchrun("benchmarks/bench_distributed.py", "--device", "cpu", "--tiny", "--out", str(path))
+    rows = [line.split("|")[1:-1] for line in path.read_text().splitlines() if re.match(r"\| \d", line)]
+    assert [int(r[0]) for r in rows] == [1000, 2000]
+    for r in rows:
+        assert r[1].strip() == f"{int(r[0]) // 2}/{int(r[0]) // 2}"     # shard_lengths
+        assert float(r[-1]) < 1e-5                    # distributed output equals the one-device output
+        assert all(float(r[i]) > 0 for i in (3, 4, 6, 7, 8))   # every time was measured
+
+
+def test_errors_without_a_process_group():
+    q = torch.randn(1, 64, 2, 16)
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sd.sol_attn(q, q, q)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --worker RANK INIT_FILE OUTDIR (started by pytest)")
