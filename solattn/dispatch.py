@@ -9,6 +9,7 @@ back to the priority list), then the per-device-type priority list.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import warnings
 from typing import Dict, Iterator, List, Optional
@@ -29,7 +30,9 @@ PRIORITY: Dict[str, List[str]] = {
 }
 _DEFAULT_PRIORITY = ["sdpa", "reference"]
 
-_forced: List[str] = []          # stack of use_backend() names
+#: the innermost ``use_backend`` name; a context variable, so a block scopes only the thread
+#: (or asyncio task) that entered it, and other threads' calls are not forced onto it
+_forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("solattn_forced_backend", default=None)
 _warned_env: set = set()
 
 
@@ -63,22 +66,21 @@ def priority(device_type: str) -> List[str]:
 def use_backend(name: str) -> Iterator[Backend]:
     """Force backend ``name`` for every ``sol_attn`` call inside the block (raises if it cannot run)."""
     backend = get_backend(name)
-    _forced.append(backend.name)
+    token = _forced.set(backend.name)
     try:
         yield backend
     finally:
-        _forced.pop()
+        _forced.reset(token)
 
 
 @contextlib.contextmanager
 def without_forced_backend() -> Iterator[None]:
     """Suspend every ``use_backend`` block (a backward pass must not inherit a forward-only one)."""
-    saved = _forced[:]
-    _forced.clear()
+    token = _forced.set(None)
     try:
         yield
     finally:
-        _forced[:] = saved
+        _forced.reset(token)
 
 
 def differentiable_request(requested: Optional[str]) -> Optional[str]:
@@ -90,7 +92,7 @@ def differentiable_request(requested: Optional[str]) -> Optional[str]:
 
 def forced_backend() -> Optional[str]:
     """The innermost ``use_backend`` name, or None."""
-    return _forced[-1] if _forced else None
+    return _forced.get()
 
 
 def _reasons(backend: Backend, problem: Problem, plan_only: bool) -> List[str]:
@@ -106,7 +108,7 @@ def choose(problem: Problem, requested: Optional[str] = None, plan_only: bool = 
     ``plan_only`` admits only backends that consume a routing plan (the VSA entry point builds
     its own selection into the plan, which the reference would ignore).
     """
-    explicit = requested or (_forced[-1] if _forced else None)
+    explicit = requested or _forced.get()
     if explicit:
         backend = get_backend(explicit)
         reasons = _reasons(backend, problem, plan_only)

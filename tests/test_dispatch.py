@@ -109,3 +109,151 @@ def test_register_rejects_bad_names():
 def test_backend_names_are_lowercase_words():
     for name in dispatch.registered():
         assert name.isalpha() and name == name.lower()
+
+
+# --- scoped settings are per thread / per asyncio task --------------------------------------
+
+def _in_thread(fn):
+    """Run ``fn`` in a new thread; return its result or re-raise its exception here."""
+    import threading
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test thread
+            box["error"] = e
+    t = threading.Thread(target=target)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "worker thread hung"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_use_backend_does_not_force_other_threads():
+    q, k, v = make_qkv(1, 200, 2, 8, seed=3)
+    by_sdpa = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="sdpa")
+    by_ref = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="reference")
+    assert not torch.equal(by_sdpa, by_ref)   # the two are told apart by their output bits
+    with solattn.use_backend("reference"):
+        assert torch.equal(solattn.sol_attn(q, k, v, topk_ratio=0.5), by_ref)
+        other = _in_thread(lambda: solattn.sol_attn(q, k, v, topk_ratio=0.5))
+        assert torch.equal(other, by_sdpa)
+        inner = _in_thread(lambda: _run_forced("sdpa", q, k, v))
+        assert torch.equal(inner, by_sdpa)
+        assert dispatch.forced_backend() == "reference"   # the other thread's block did not touch ours
+
+
+def _run_forced(name, q, k, v):
+    with solattn.use_backend(name):
+        return solattn.sol_attn(q, k, v, topk_ratio=0.5)
+
+
+def test_memory_budget_scope_does_not_apply_to_other_threads():
+    from solattn.budget import current_budget
+    q, k, v = make_qkv(1, 200, 2, 8, seed=3)
+    default = current_budget("reference")
+    with solattn.memory_budget(1024, backend="reference"):
+        assert current_budget("reference") == 1024
+        with pytest.raises(solattn.BackendError, match="budget"):
+            solattn.sol_attn(q, k, v, backend="reference")
+        # another thread still has the process-wide budget: the reference runs there
+        out = _in_thread(lambda: solattn.sol_attn(q, k, v, backend="reference"))
+        assert out.shape == q.shape and torch.isfinite(out).all()
+        assert _in_thread(lambda: current_budget("reference")) == default
+    # the process-wide setting stays process-wide
+    try:
+        solattn.set_memory_budget(1024, backend="reference")
+        assert _in_thread(lambda: current_budget("reference")) == 1024
+    finally:
+        solattn.set_memory_budget(None, backend="reference")
+    assert current_budget("reference") == default
+
+
+def test_backward_in_one_thread_while_another_leaves_use_backend():
+    """Interleaving of a backward pass (which suspends forced backends) in thread B with thread A
+    leaving its use_backend block: neither raises, nothing stays forced afterwards."""
+    import threading
+    entered_a, entered_b, left_a = threading.Event(), threading.Event(), threading.Event()
+    errors = []
+
+    def thread_a():
+        try:
+            with solattn.use_backend("reference"):
+                entered_a.set()
+                assert entered_b.wait(30)
+            left_a.set()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            left_a.set()
+
+    def thread_b():
+        try:
+            assert entered_a.wait(30)
+            with dispatch.without_forced_backend():   # what the backward pass enters
+                entered_b.set()
+                assert left_a.wait(30)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            entered_b.set()
+
+    ts = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert dispatch.forced_backend() is None
+    p = solattn.validate(*make_qkv(1, 100, 2, 8))
+    assert dispatch.choose(p).name == "sdpa"
+
+
+def test_real_backward_in_a_thread_leaves_other_threads_forced_backend_alone():
+    import threading
+    q, k, v = make_qkv(1, 200, 2, 8, seed=5)
+    inside, done = threading.Event(), threading.Event()
+    seen = []
+
+    def forcing_thread():
+        with solattn.use_backend("reference"):
+            inside.set()
+            assert done.wait(60)
+            seen.append(dispatch.forced_backend())
+
+    t = threading.Thread(target=forcing_thread)
+    t.start()
+    assert inside.wait(30)
+    try:
+        qg = q.clone().requires_grad_(True)
+        solattn.sol_attn(qg, k, v, topk_ratio=0.5).sum().backward()
+        assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    finally:
+        done.set()
+        t.join(timeout=60)
+    assert seen == ["reference"]
+    assert dispatch.forced_backend() is None
+
+
+def test_use_backend_is_per_asyncio_task():
+    import asyncio
+    p = solattn.validate(*make_qkv(1, 100, 2, 8))
+
+    async def forcing(entered, release):
+        with solattn.use_backend("reference"):
+            entered.set()
+            await release.wait()
+            return dispatch.choose(p).name
+
+    async def plain(entered, release):
+        await entered.wait()
+        name = dispatch.choose(p).name
+        release.set()
+        return name
+
+    async def main():
+        entered, release = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(forcing(entered, release), plain(entered, release))
+
+    assert asyncio.run(main()) == ["reference", "sdpa"]
