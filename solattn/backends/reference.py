@@ -45,6 +45,19 @@ def _live_lengths(p: Problem) -> torch.Tensor:
     return L
 
 
+def _block_means(x: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+    """Mean over the live rows of each block, ``(B, H, T, D)`` -> ``(B, H, n, D)``.
+
+    ``x``'s dead rows must already be zero. A sum per block (not a dense ``(n, T)`` averaging
+    matrix, where ``NaN * 0`` would carry one token's NaN into every block's mean) keeps each
+    mean a function of its own block's rows only, as the definition says.
+    """
+    B, H, T, D = x.shape
+    n = L.shape[0]
+    padded = torch.nn.functional.pad(x, (0, 0, 0, n * BLOCK - T))   # zero rows past T
+    return padded.view(B, H, n, BLOCK, D).sum(dim=3) / L.to(x.dtype)[:, None]
+
+
 def reference_forward(p: Problem) -> torch.Tensor:
     """SPEC.md's output, literally. Returns ``(B, T, H, D)`` in v's dtype, contiguous."""
     B, T, H, n = p.B, p.T, p.H, p.n
@@ -58,15 +71,13 @@ def reference_forward(p: Problem) -> torch.Tensor:
     L = _live_lengths(p)                                   # (n,)
     tok_block = torch.arange(T, device=dev) // BLOCK       # (T,)
     tok_live = (torch.arange(T, device=dev) % BLOCK) < L[tok_block]
-    member = (tok_block[None, :] == torch.arange(n, device=dev)[:, None]) & tok_live[None, :]
-    avg = member.to(f32) / L.to(f32)[:, None]              # (n, T): mean over live rows
     # dead rows never enter anything (a NaN there must not reach a mean or an exact key); their
     # own outputs are unspecified, computed here from zeros
     q, k, v = (torch.where(tok_live[:, None], x, torch.zeros((), device=dev)) for x in (q, k, v))
 
-    qm = avg @ q                                           # (B, H, n, D)
-    km = avg @ k
-    vm = avg @ v
+    qm = _block_means(q, L)                                # (B, H, n, D)
+    km = _block_means(k, L)
+    vm = _block_means(v, L)
     m = km.mean(dim=2, keepdim=True)                       # (B, H, 1, D)
     kmc = km - m
 
