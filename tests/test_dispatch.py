@@ -257,3 +257,31 @@ def test_use_backend_is_per_asyncio_task():
         return await asyncio.gather(forcing(entered, release), plain(entered, release))
 
     assert asyncio.run(main()) == ["reference", "sdpa"]
+
+
+# --- the triton backend's reasons fit the machine -------------------------------------------
+
+def test_triton_reasons_say_what_would_help(monkeypatch):
+    from solattn.backends.triton import backend as tb
+    triton = dispatch.get_backend("triton")
+    monkeypatch.setattr(tb, "_triton_installed", lambda: False)
+    # on the CPU without the interpreter, installing Triton would not help: say what would
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    (cpu,) = triton.availability_reasons("cpu")
+    assert "CUDA GPUs (sm_80+)" in cpu and "TRITON_INTERPRET=1" in cpu and "sdpa" in cpu
+    assert "install" not in cpu
+    assert all("install" not in r for r in triton.availability_reasons("mps"))
+    # under the interpreter it would (on Linux)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (hint,) = triton.availability_reasons("cpu")
+    assert hint == tb._install_hint("cpu", tb.sys.platform)
+    assert tb._install_hint("cuda", "linux") == "triton not installed (pip install triton)"
+    win = tb._install_hint("cuda", "win32")
+    assert "no Windows wheels" in win and "pip install triton-windows" in win
+    mac = tb._install_hint("cpu", "darwin")
+    assert "macOS" in mac and "pip install" not in mac
+    assert "pytorch-triton-xpu" in tb._install_hint("xpu", "linux")
+    # the backend listing shows the same reason
+    monkeypatch.delenv("TRITON_INTERPRET")
+    info = {i["name"]: i for i in solattn.backends("cpu")}["triton"]
+    assert info["reasons"] == [cpu] and not info["available"]
