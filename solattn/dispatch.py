@@ -144,7 +144,7 @@ def choose(problem: Problem, requested: Optional[str] = None, plan_only: bool = 
     raise BackendError(f"no solattn backend can run this call ({problem.describe()}):\n" + table)
 
 
-def backends(device=None) -> List[dict]:
+def list_backends(device=None) -> List[dict]:
     """For each registered backend: can it run on ``device`` (default: the best present) and why not.
 
     Returns a list of ``{"name", "available", "reasons", "priority", "description"}`` dicts,

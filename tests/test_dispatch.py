@@ -7,13 +7,14 @@ import pytest
 import torch
 
 import solattn
+from solattn.validation import validate
 from solattn import dispatch
 from solattn.backends import reference as refmod
 from conftest import make_qkv
 
 
 def test_backends_listing():
-    infos = solattn.backends("cpu")
+    infos = solattn.list_backends("cpu")
     names = [i["name"] for i in infos]
     assert {"reference", "sdpa"} <= set(names)
     for i in infos:
@@ -26,7 +27,7 @@ def test_backends_listing():
 
 def test_auto_picks_first_in_priority_and_explicit_beats_it():
     q, k, v = make_qkv(1, 100, 2, 8)
-    p = solattn.validate(q, k, v)
+    p = validate(q, k, v)
     assert dispatch.choose(p).name == dispatch.priority("cpu")[0] == "sdpa"
     assert dispatch.choose(p, "reference").name == "reference"
     with solattn.use_backend("reference") as b:
@@ -60,7 +61,7 @@ def test_forced_backend_that_cannot_run_raises_with_reasons(monkeypatch):
 def test_nothing_can_run_lists_every_backend(monkeypatch):
     monkeypatch.setattr(refmod.budget, "_value", 1024)
     q, k, v = make_qkv(1, 100, 2, 8)
-    p = solattn.validate(q, k, v)
+    p = validate(q, k, v)
     monkeypatch.setitem(dispatch.PRIORITY, "cpu", ["reference"])
     with pytest.raises(solattn.BackendError) as ei:
         dispatch.choose(p)
@@ -71,7 +72,7 @@ def test_nothing_can_run_lists_every_backend(monkeypatch):
 
 def test_env_preference_and_fallback_warning(monkeypatch):
     q, k, v = make_qkv(1, 100, 2, 8)
-    p = solattn.validate(q, k, v)
+    p = validate(q, k, v)
     monkeypatch.setenv("SOLATTN_BACKEND", "reference")
     assert dispatch.choose(p).name == "reference"
     monkeypatch.setattr(refmod.budget, "_value", 1024)
@@ -92,7 +93,7 @@ def test_feature_dtype_and_device_reasons_are_reported():
         head_dims = frozenset({64})
         features = frozenset({"topk", "tau"})
     q, k, v = make_qkv(1, 100, 2, 8)
-    reasons = " | ".join(NoTail().not_supported_reasons(solattn.validate(q, k, v, tail=True)))
+    reasons = " | ".join(NoTail().not_supported_reasons(validate(q, k, v, tail=True)))
     assert "tail" in reasons and "float32" in reasons and "head dim 8" in reasons
     assert "device type 'cpu'" in reasons
 
@@ -206,7 +207,7 @@ def test_backward_in_one_thread_while_another_leaves_use_backend():
         t.join(timeout=60)
     assert not errors, errors
     assert dispatch.forced_backend() is None
-    p = solattn.validate(*make_qkv(1, 100, 2, 8))
+    p = validate(*make_qkv(1, 100, 2, 8))
     assert dispatch.choose(p).name == "sdpa"
 
 
@@ -238,7 +239,7 @@ def test_real_backward_in_a_thread_leaves_other_threads_forced_backend_alone():
 
 def test_use_backend_is_per_asyncio_task():
     import asyncio
-    p = solattn.validate(*make_qkv(1, 100, 2, 8))
+    p = validate(*make_qkv(1, 100, 2, 8))
 
     async def forcing(entered, release):
         with solattn.use_backend("reference"):
@@ -283,5 +284,41 @@ def test_triton_reasons_say_what_would_help(monkeypatch):
     assert "pytorch-triton-xpu" in tb._install_hint("xpu", "linux")
     # the backend listing shows the same reason
     monkeypatch.delenv("TRITON_INTERPRET")
-    info = {i["name"]: i for i in solattn.backends("cpu")}["triton"]
+    info = {i["name"]: i for i in solattn.list_backends("cpu")}["triton"]
     assert info["reasons"] == [cpu] and not info["available"]
+
+
+# --- the package layout and the public surface ----------------------------------------------
+
+def test_backends_subpackage_and_listing_function_coexist():
+    import importlib
+    import subprocess
+    import sys
+    # in a fresh interpreter, in both import orders
+    for first, second in (("import solattn.backends.sdpa", "import solattn"),
+                          ("import solattn", "import solattn.backends.sdpa")):
+        code = (f"{first}; {second}; import types; "
+                "assert isinstance(solattn.backends, types.ModuleType); "
+                "from solattn.backends.sdpa import SdpaBackend; "
+                "names = [b['name'] for b in solattn.list_backends('cpu')]; "
+                "assert names[0] == 'sdpa' and 'reference' in names, names; print('ok')")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    sdpa_mod = importlib.import_module("solattn.backends.sdpa")
+    assert solattn.backends.sdpa is sdpa_mod
+    assert [b["name"] for b in solattn.list_backends("cpu")][0] == "sdpa"
+
+
+def test_public_surface_is_the_user_facing_names():
+    assert set(solattn.__all__) == {
+        "sol_attn", "video_sparse_attn", "tile", "untile", "list_backends", "use_backend",
+        "best_device", "BackendError", "memory_budget", "set_memory_budget", "register_backend",
+        "Backend", "BLOCK", "__version__"}
+    for name in solattn.__all__:
+        assert hasattr(solattn, name), name
+    public = {n for n in vars(solattn) if not n.startswith("_")}
+    modules = {n for n in public if type(getattr(solattn, n)).__name__ == "module"}
+    assert public - modules == set(solattn.__all__) - {"__version__"}
+    for internal in ("build_plan", "validate", "Problem", "Plan", "ReferenceBackend", "SdpaBackend"):
+        assert not hasattr(solattn, internal), internal
+    assert solattn.Backend is solattn.backends.base.Backend

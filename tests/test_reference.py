@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import solattn
+from solattn.validation import validate
 from solattn.backends.reference import reference_forward
 from conftest import BLOCK, dense_sdpa, make_qkv, rel_l2
 
@@ -150,7 +151,7 @@ def _tied_scores_inputs():
 
 def test_topk_ties_keep_whole_group():
     q, k, v = _tied_scores_inputs()
-    p = solattn.validate(q, k, v, topk_ratio=0.2, tail=False)   # kk = round(0.2 * 10) = 2
+    p = validate(q, k, v, topk_ratio=0.2, tail=False)   # kk = round(0.2 * 10) = 2
     # the tied group of 4 blocks (3..6) all score highest: kk = 2 must keep all four
     from solattn.backends import reference as refmod
     out = refmod.reference_forward(p)
@@ -319,7 +320,7 @@ def test_reference_refuses_over_budget_naming_memory_and_alternatives(monkeypatc
         solattn.sol_attn(q, k, v, backend="reference")
     msg = str(ei.value)
     assert "GiB" in msg and "reference" in msg and "sdpa" in msg
-    p = solattn.validate(q, k, v)
+    p = validate(q, k, v)
     assert reference_forward(p).shape == q.shape   # the guard lives in dispatch, not in the math
 
 
