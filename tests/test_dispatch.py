@@ -322,3 +322,146 @@ def test_public_surface_is_the_user_facing_names():
     for internal in ("build_plan", "validate", "Problem", "Plan", "ReferenceBackend", "SdpaBackend"):
         assert not hasattr(solattn, internal), internal
     assert solattn.Backend is solattn.backends.base.Backend
+
+
+# --- registration with priority; capability checks live once in the base class ---------------
+
+class _Toy(solattn.Backend):
+    """A third-party backend: the reference's arithmetic, counting its calls."""
+    name = "toy"
+    description = "test toy"
+    devices = frozenset({"cpu"})
+    uses_plan = False
+
+    def __init__(self, refuse=None):
+        self.calls = 0
+        self.refuse = refuse
+
+    def problem_reasons(self, problem):
+        return [self.refuse] if self.refuse else []
+
+    def forward(self, problem, plan=None):
+        self.calls += 1
+        return refmod.reference_forward(problem)
+
+
+@pytest.fixture
+def toy_registered():
+    made = []
+
+    def make(priority=None, refuse=None):
+        toy = _Toy(refuse)
+        made.append(solattn.register_backend(toy, priority=priority))
+        return toy
+    yield make
+    if "toy" in dispatch.registered():
+        dispatch.unregister("toy")
+    assert "toy" not in dispatch.registered()
+
+
+def test_registered_backend_with_priority_is_chosen_automatically(toy_registered):
+    q, k, v = make_qkv(1, 200, 2, 8, seed=6)
+    want = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="reference")
+    toy = toy_registered(priority={"cpu": 0})
+    assert dispatch.priority("cpu") == ["toy", "sdpa", "reference"]
+    out = solattn.sol_attn(q, k, v, topk_ratio=0.5)
+    assert toy.calls == 1 and torch.equal(out, want)
+    listing = solattn.list_backends("cpu")
+    assert [i["name"] for i in listing][:3] == ["toy", "sdpa", "reference"]
+    assert listing[0]["priority"] == 0 and listing[0]["available"]
+    # one int: that position on every device type it declares
+    toy = toy_registered(priority=1)
+    assert dispatch.priority("cpu") == ["sdpa", "toy", "reference"]
+    assert "toy" not in dispatch.priority("cuda")
+    solattn.sol_attn(q, k, v, topk_ratio=0.5)
+    assert toy.calls == 0
+    # a position past the end is last
+    toy_registered(priority={"cpu": 99})
+    assert dispatch.priority("cpu") == ["sdpa", "reference", "toy"]
+    # without a priority it runs only when asked for
+    toy = toy_registered()
+    assert "toy" not in dispatch.priority("cpu")
+    solattn.sol_attn(q, k, v, topk_ratio=0.5)
+    assert toy.calls == 0
+    assert torch.equal(solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="toy"), want) and toy.calls == 1
+    dispatch.unregister("toy")
+    with pytest.raises(ValueError, match="argument 'backend' received 'toy'"):
+        solattn.sol_attn(q, k, v, backend="toy")
+
+
+def test_register_rejects_bad_priorities():
+    toy = _Toy()
+    with pytest.raises(ValueError, match=r"argument 'priority' received device type 'cuda'.*\['cpu'\]"):
+        dispatch.register(toy, priority={"cuda": 0})
+    with pytest.raises(ValueError, match=r"argument 'priority' received position=-1"):
+        dispatch.register(toy, priority=-1)
+    with pytest.raises(TypeError, match=r"argument 'priority' received 'cpu'=1.5"):
+        dispatch.register(toy, priority={"cpu": 1.5})
+    with pytest.raises(TypeError, match=r"argument 'priority' received str 'first'"):
+        dispatch.register(toy, priority="first")
+    with pytest.raises(TypeError, match="argument 'backend' received str"):
+        dispatch.register("toy")
+    assert "toy" not in dispatch.registered()
+    with pytest.raises(ValueError, match="argument 'backend' received 'toy'"):
+        dispatch.unregister("toy")
+
+
+def test_nothing_can_run_table_walks_the_selection_order(monkeypatch, toy_registered):
+    toy_registered(priority={"cpu": 0}, refuse="toy refuses")
+    monkeypatch.setattr(refmod.budget, "_value", 1024)
+    monkeypatch.setitem(dispatch.PRIORITY, "cpu", ["reference"])
+    p = validate(*make_qkv(1, 100, 2, 8))
+    with pytest.raises(solattn.BackendError) as ei:
+        dispatch.choose(p)
+    lines = str(ei.value).splitlines()[1:]
+    shown = [line.split(":")[0].strip() for line in lines]
+    walked = [i["name"] for i in solattn.list_backends("cpu")]
+    assert shown == walked == ["toy", "reference", "sdpa", "triton"]
+    assert lines[0] == "  toy: toy refuses"
+    assert lines[2] == "  sdpa: can run"
+
+
+def _fake_cuda(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def test_compute_capability_is_checked_once_in_the_base_class(monkeypatch):
+    class NeedsHopper(solattn.Backend):
+        name = "hopper"
+        devices = frozenset({"cuda"})
+        min_compute_capability = (9, 0)
+
+        def device_reasons(self, device):
+            return ["hopper library missing"]
+
+    b = NeedsHopper()
+    _fake_cuda(monkeypatch, (8, 6))
+    assert b.availability_reasons("cuda") == [
+        "needs a GPU of compute capability 9.0 or newer (sm_90+); cuda is 8.6"]
+    assert b.availability_reasons("cuda:1") == [
+        "needs a GPU of compute capability 9.0 or newer (sm_90+); cuda:1 is 8.6"]
+    _fake_cuda(monkeypatch, (9, 0))
+    assert b.availability_reasons("cuda") == ["hopper library missing"]   # appended by the backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert b.availability_reasons("cuda") == [
+        "no CUDA device available (torch.cuda.is_available() is False)"]
+    # the built-in triton backend declares sm_80 and gets the same generic message
+    _fake_cuda(monkeypatch, (7, 5))
+    assert dispatch.get_backend("triton").availability_reasons("cuda") == [
+        "needs a GPU of compute capability 8.0 or newer (sm_80+); cuda is 7.5"]
+
+
+def test_backends_cannot_replace_the_generic_checks():
+    with pytest.raises(TypeError, match="overrides Backend.availability_reasons.*device_reasons"):
+        class Replaces(solattn.Backend):
+            name = "replaces"
+
+            def availability_reasons(self, device):
+                return []
+    with pytest.raises(TypeError, match="overrides Backend.not_supported_reasons.*problem_reasons"):
+        class Rewrites(solattn.Backend):
+            name = "rewrites"
+
+            def not_supported_reasons(self, problem):
+                return []

@@ -135,20 +135,16 @@ def reference_forward(p: Problem) -> torch.Tensor:
 class ReferenceBackend(Backend):
     name = "reference"
     description = "SPEC.md literally in fp32 with dense T x T scores (the oracle); small problems only"
-    devices = frozenset({"cpu", "cuda", "xpu", "mps", "meta"})
+    devices = None  # plain torch ops: runs wherever torch runs
     uses_plan = False
 
-    def availability_reasons(self, device_type: str) -> List[str]:
-        return []  # plain torch ops: runs wherever torch runs
-
-    def not_supported_reasons(self, problem: Problem) -> List[str]:
-        reasons = super().not_supported_reasons(problem)
+    def problem_reasons(self, problem: Problem) -> List[str]:
         need = estimated_bytes(problem.B, problem.H, problem.T)
         if need > budget.bytes:
-            reasons.append(f"would need about {_gib(need)} for dense T x T scores "
-                           f"(B={problem.B}, H={problem.H}, T={problem.T}), over its budget of "
-                           f"{_gib(budget.bytes)} (solattn.set_memory_budget(nbytes, backend='reference'))")
-        return reasons
+            return [f"would need about {_gib(need)} for dense T x T scores "
+                    f"(B={problem.B}, H={problem.H}, T={problem.T}), over its budget of "
+                    f"{_gib(budget.bytes)} (solattn.set_memory_budget(nbytes, backend='reference'))"]
+        return []
 
     def forward(self, problem: Problem, plan=None) -> torch.Tensor:
         return reference_forward(problem)

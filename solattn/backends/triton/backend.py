@@ -170,43 +170,22 @@ class TritonBackend(Backend):
     head_dims = frozenset({16, 32, 64, 128})
     features = ALL_FEATURES - {"autograd"}
     uses_plan = True
+    min_compute_capability = (8, 0)
 
-    def availability_reasons(self, device_type: str) -> List[str]:
+    def device_reasons(self, device: torch.device) -> List[str]:
         # conditions that installing Triton cannot fix come first, so the advice fits the machine
-        if device_type not in self.devices:
-            return [f"device type '{device_type}' not supported (supports cuda; xpu with "
-                    f"{XPU_OPT_IN}=1; cpu only under TRITON_INTERPRET=1)"]
-        if device_type == "cpu" and not _interpreting():
+        if device.type == "cpu" and not _interpreting():
             return ["runs on CUDA GPUs (sm_80+); on the CPU only under TRITON_INTERPRET=1, for tests "
                     "(use the sdpa backend on the CPU)"]
-        if device_type == "xpu" and os.environ.get(XPU_OPT_IN, "0") != "1":
+        if device.type == "xpu" and os.environ.get(XPU_OPT_IN, "0") != "1":
             return [f"not yet run on real Intel hardware, so xpu needs an explicit opt-in: set {XPU_OPT_IN}=1"]
-        if device_type == "cuda":
-            if not torch.cuda.is_available():
-                return ["no CUDA device available"]
-            major, minor = torch.cuda.get_device_capability()
-            if major < 8:
-                return [f"needs a GPU of compute capability 8.0 or newer (sm_80+); "
-                        f"this one is {major}.{minor}"]
         if not _triton_installed():
-            return [_install_hint(device_type, sys.platform)]
+            return [_install_hint(device.type, sys.platform)]
         return []
-
-    def not_supported_reasons(self, problem: Problem) -> List[str]:
-        reasons = super().not_supported_reasons(problem)
-        if problem.dtype == torch.float32:
-            reasons = [r for r in reasons if not r.startswith("dtype")]
-            reasons.append("dtype float32 not supported: the kernel runs bf16/fp16 tensor-core "
-                           "products (use the sdpa or reference backend for fp32)")
-        if problem.device.type == "cuda" and torch.cuda.is_available() and not reasons:
-            major, _ = torch.cuda.get_device_capability(problem.device)
-            if major < 8:
-                reasons.append(f"needs compute capability 8.0 or newer on {problem.device}")
-        return reasons
 
     def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None) -> torch.Tensor:
         if plan is None:
-            raise ValueError("triton backend: forward needs the routing plan (solattn.build_plan(problem))")
+            raise ValueError("triton backend: forward needs the routing plan (solattn.routing.build_plan(problem))")
         with torch.no_grad():
             if problem.device.type == "cuda":
                 with torch.cuda.device(problem.device):
