@@ -162,7 +162,14 @@ def differentiable_request(requested: Optional[str]) -> Optional[str]:
 
 
 def forced_backend() -> Optional[str]:
-    """The innermost ``use_backend`` name, or None."""
+    """The innermost ``use_backend`` name, or None.
+
+    None while ``torch.compile`` traces: Dynamo cannot trace a context variable, and only the
+    entry points' early argument checks run at trace time; the custom ops, which dispatch,
+    read it again when they run.
+    """
+    if torch.compiler.is_compiling():
+        return None
     return _forced.get()
 
 

@@ -465,3 +465,22 @@ def test_backends_cannot_replace_the_generic_checks():
 
             def not_supported_reasons(self, problem):
                 return []
+
+
+def test_use_backend_reaches_compiled_calls_at_run_time():
+    """The forced backend is read when the custom ops run, not baked in when torch.compile traces."""
+    q, k, v = make_qkv(1, 200, 2, 8, seed=3)
+    by_sdpa = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="sdpa")
+    by_ref = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="reference")
+    fn = torch.compile(lambda q, k, v: solattn.sol_attn(q, k, v, topk_ratio=0.5), fullgraph=True,
+                       backend="eager")
+    assert torch.equal(fn(q, k, v), by_sdpa)
+    with solattn.use_backend("reference"):
+        assert torch.equal(fn(q, k, v), by_ref)
+    assert torch.equal(fn(q, k, v), by_sdpa)
+    qv, kv, vv = make_qkv(1, 2 * 4 * 8, 2, 8, seed=4)
+    vsa = torch.compile(lambda q, k, v: solattn.video_sparse_attn(q, k, v, (2, 4, 8), topk=1),
+                        fullgraph=True, backend="eager")
+    vsa(qv, kv, vv)
+    with solattn.use_backend("reference"), pytest.raises(solattn.BackendError, match="cannot serve VSA"):
+        vsa(qv, kv, vv)
