@@ -52,7 +52,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import solattn  # noqa: E402
-from solattn import build_plan, validate  # noqa: E402
+from solattn.routing import build_plan  # noqa: E402
+from solattn.validation import validate  # noqa: E402
 from solattn.backends import reference  # noqa: E402
 from solattn.backends.reference import reference_forward  # noqa: E402
 from solattn.backends.triton import DEFAULT_CONFIGS, KernelConfig, launch  # noqa: E402

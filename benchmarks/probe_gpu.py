@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import solattn
+from solattn.validation import validate
 from solattn import routing
 from solattn.backends.sdpa import sdpa_forward
 
@@ -51,7 +52,7 @@ def main():
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         row(name, "dense F.sdpa", ms(lambda: F.scaled_dot_product_attention(qt, kt, vt)))
         for tail in (False, True):
-            p = solattn.validate(q, k, v, topk_ratio=0.1, tail=tail)
+            p = validate(q, k, v, topk_ratio=0.1, tail=tail)
             stats = routing.block_stats(p)
             exact = routing.select_exact(p, stats)
             plan = routing.build_plan(p)

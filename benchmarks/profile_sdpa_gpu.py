@@ -8,7 +8,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import solattn
+from solattn.routing import build_plan
+from solattn.validation import validate
 from solattn.backends.sdpa import sdpa_forward
 
 B, T, H, D = 1, 37296, 56, 128
@@ -18,8 +19,8 @@ q, k, v = (((torch.randn(B, T, H, D, device="cuda", generator=g) * 0.5
              + torch.randn(B, n, H, D, device="cuda", generator=g).repeat_interleave(64, 1)[:, :T])
             * D ** -0.25).bfloat16() for _ in range(3))
 for tail in (False, True):
-    p = solattn.validate(q, k, v, topk_ratio=0.1, tail=tail)
-    plan = solattn.build_plan(p)
+    p = validate(q, k, v, topk_ratio=0.1, tail=tail)
+    plan = build_plan(p)
     sdpa_forward(p, plan)
     torch.cuda.synchronize()
     t0 = time.perf_counter()

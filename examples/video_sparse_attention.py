@@ -77,7 +77,7 @@ def main():
     with torch.no_grad():
         ref, t_dense = timed(dense, args.repeats, device)
         # the first plan-consuming backend of this device's priority list serves VSA calls
-        backend = next((b["name"] for b in solattn.backends(device)
+        backend = next((b["name"] for b in solattn.list_backends(device)
                         if b["available"] and solattn.dispatch.get_backend(b["name"]).uses_plan), "none")
         print(f"VSA on {device.type} (backend {backend}): grid {grid} = {N} tokens, {n_cubes} cubes, "
               f"H={H}, D={D}, {str(dtype).replace('torch.', '')}")

@@ -4,34 +4,39 @@
     >>> q = k = v = torch.randn(1, 256, 2, 64)
     >>> solattn.sol_attn(q, k, v, topk_ratio=0.25).shape
     torch.Size([1, 256, 2, 64])
+
+The names below are the public surface; internals (the routing plan, validation, the
+dispatcher, the built-in backend classes) stay reachable from their modules, e.g.
+``solattn.routing.build_plan`` or ``solattn.backends.sdpa.SdpaBackend``.
 """
 
 import os as _os
 
-from . import dispatch
+from . import dispatch as _dispatch
+from .backends.base import Backend
+from .backends.reference import ReferenceBackend as _ReferenceBackend
+from .backends.sdpa import SdpaBackend as _SdpaBackend
 from .budget import memory_budget, set_memory_budget
-from .backends.reference import ReferenceBackend
-from .backends.sdpa import SdpaBackend
-from .dispatch import BackendError, backends, best_device, use_backend
+from .dispatch import BackendError, best_device, list_backends, use_backend
+from .dispatch import register as register_backend
 from .ops import sol_attn
-from .routing import Plan, build_plan
-from .validation import BLOCK, Problem, validate
+from .validation import BLOCK
 from .video import tile, untile, video_sparse_attn
 
-dispatch.register(ReferenceBackend())
-try:  # the triton backend imports Triton lazily; it reports "triton not installed" as a reason
-    from .backends.triton import TritonBackend
+_dispatch.register(_ReferenceBackend())
+try:  # the triton backend imports Triton lazily; it reports a missing Triton as a reason
+    from .backends.triton import TritonBackend as _TritonBackend
 except ImportError:  # pragma: no cover - only if the package itself is broken
-    TritonBackend = None
+    pass
 else:
-    dispatch.register(TritonBackend())
-dispatch.register(SdpaBackend())
+    _dispatch.register(_TritonBackend())
+_dispatch.register(_SdpaBackend())
 
 __version__ = "0.1.0"
 
-__all__ = ["sol_attn", "backends", "use_backend", "best_device", "BackendError", "Plan",
-           "build_plan", "Problem", "validate", "BLOCK", "__version__",
-           "tile", "untile", "video_sparse_attn", "memory_budget", "set_memory_budget"]
+__all__ = ["sol_attn", "video_sparse_attn", "tile", "untile", "list_backends", "use_backend",
+           "best_device", "BackendError", "memory_budget", "set_memory_budget", "register_backend",
+           "Backend", "BLOCK", "__version__"]
 
 if _os.environ.get("SOLATTN_COMFY_KITCHEN", "").strip():  # opt-in comfy-kitchen plug-in (docs/comfyui.md)
     from .integrations.comfy_kitchen import install_from_env as _install_from_env

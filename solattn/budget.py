@@ -1,4 +1,5 @@
-"""Memory budgets: a byte limit per backend, process-wide or scoped to a block of calls.
+"""Memory budgets: a byte limit per backend, process-wide or scoped to a block of calls
+(the scope covers only the thread or asyncio task that entered it).
 
     solattn.set_memory_budget(256 << 20)              # the portable backend, from now on
     with solattn.memory_budget(64 << 20):             # only the calls inside the block
@@ -13,8 +14,9 @@ the most the dense oracle may allocate; above it the backend refuses with a reas
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, Optional
 
 
 def _check(nbytes, what: str) -> int:
@@ -25,7 +27,10 @@ def _check(nbytes, what: str) -> int:
 
 class MemoryBudget:
     """A byte budget with a default (overridable by an environment variable), a process-wide
-    setting and nested scopes; :attr:`bytes` is the one in force."""
+    setting and nested scopes; :attr:`bytes` is the one in force.
+
+    Scopes live in a context variable: a ``with`` block binds the thread (or asyncio task)
+    that entered it, never calls made concurrently elsewhere."""
 
     def __init__(self, backend: str, env: str, default: int):
         self.backend, self.env = backend, env
@@ -34,11 +39,13 @@ class MemoryBudget:
         if raw and not raw.isdigit():
             raise ValueError(f"environment variable {env} received {raw!r}; allowed: a positive int (bytes)")
         self._value = self.default
-        self._scopes: List[int] = []
+        self._scope: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
+            f"solattn_{backend}_budget", default=None)
 
     @property
     def bytes(self) -> int:
-        return self._scopes[-1] if self._scopes else self._value
+        scoped = self._scope.get()
+        return self._value if scoped is None else scoped
 
     def set(self, nbytes: Optional[int]) -> None:
         """Set the process-wide budget; ``None`` restores the default."""
@@ -46,11 +53,11 @@ class MemoryBudget:
 
     @contextlib.contextmanager
     def scope(self, nbytes: int) -> Iterator[int]:
-        self._scopes.append(_check(nbytes, "argument 'nbytes'"))
+        token = self._scope.set(_check(nbytes, "argument 'nbytes'"))
         try:
             yield nbytes
         finally:
-            self._scopes.pop()
+            self._scope.reset(token)
 
 
 BUDGETS: Dict[str, MemoryBudget] = {

@@ -34,7 +34,7 @@ def info(args) -> int:
     print("devices: " + ", ".join(_devices()))
     for dev in sorted({d.split(":")[0].split(" ")[0] for d in _devices()}):
         print(f"\nbackends on {dev} (priority: {' > '.join(dispatch.priority(dev)) or 'none'})")
-        for b in dispatch.backends(dev):
+        for b in dispatch.list_backends(dev):
             state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
             print(f"  {b['name']:<10} {state}")
             print(f"  {'':<10} {b['description']}")
@@ -63,7 +63,7 @@ def check(args) -> int:
     device = torch.device(args.device) if args.device else dispatch.best_device()
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}   # SPEC.md, "Accuracy"
     rows, failed = [], False
-    infos = [b for b in dispatch.backends(device) if b["name"] != "reference"]
+    infos = [b for b in dispatch.list_backends(device) if b["name"] != "reference"]
     runnable = [b["name"] for b in infos if b["available"]]
     for name, (q, k, v), kw in _check_problems(device):
         p = validate(q, k, v, **kw)

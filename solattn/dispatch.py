@@ -3,15 +3,17 @@
 Order of precedence: an explicit ``backend=`` argument, then the innermost
 ``use_backend(...)`` block, then the ``SOLATTN_BACKEND`` environment variable
 (a preference: if that backend cannot run a call, solattn warns once and falls
-back to the priority list), then the per-device-type priority list.
+back to the priority list), then the per-device-type priority list: the built-in
+order in ``PRIORITY`` with the positions given to ``register(backend, priority=...)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import warnings
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Mapping, Optional, Union
 
 import torch
 
@@ -20,7 +22,8 @@ from .validation import Problem
 
 _REGISTRY: Dict[str, Backend] = {}
 
-#: first backend with no reasons wins; names not registered are skipped
+#: the built-in backends' order per device type; the first backend with no reasons wins,
+#: names not registered are skipped
 PRIORITY: Dict[str, List[str]] = {
     "cuda": ["triton", "sdpa", "reference"],
     "xpu": ["sdpa", "triton", "reference"],
@@ -29,7 +32,12 @@ PRIORITY: Dict[str, List[str]] = {
 }
 _DEFAULT_PRIORITY = ["sdpa", "reference"]
 
-_forced: List[str] = []          # stack of use_backend() names
+#: positions given at registration: backend name -> {device type (or "*" for every type): index}
+_POSITIONS: Dict[str, Dict[str, int]] = {}
+
+#: the innermost ``use_backend`` name; a context variable, so a block scopes only the thread
+#: (or asyncio task) that entered it, and other threads' calls are not forced onto it
+_forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("solattn_forced_backend", default=None)
 _warned_env: set = set()
 
 
@@ -37,10 +45,63 @@ class BackendError(RuntimeError):
     """No backend (or not the requested one) can run a call; the message lists the reasons."""
 
 
-def register(backend: Backend) -> Backend:
+def _positions(backend: Backend, priority) -> Dict[str, int]:
+    """Check ``register``'s ``priority`` argument and turn it into {device type: index}."""
+    def index(value, what):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"argument 'priority' received {what}={value!r}; allowed: an int >= 0 "
+                            f"(0 = tried first)")
+        if value < 0:
+            raise ValueError(f"argument 'priority' received {what}={value!r}; allowed: an int >= 0 "
+                             f"(0 = tried first)")
+        return value
+
+    if priority is None:
+        return {}
+    if isinstance(priority, Mapping):
+        out = {}
+        for dev_type, value in priority.items():
+            if not isinstance(dev_type, str) or (backend.devices is not None and dev_type not in backend.devices):
+                allowed = "any device type" if backend.devices is None else sorted(backend.devices)
+                raise ValueError(f"argument 'priority' received device type {dev_type!r}; allowed: the "
+                                 f"device types backend '{backend.name}' declares ({allowed})")
+            out[dev_type] = index(value, repr(dev_type))
+        return out
+    if isinstance(priority, int) and not isinstance(priority, bool):
+        pos = index(priority, "position")
+        return {"*": pos} if backend.devices is None else {d: pos for d in backend.devices}
+    raise TypeError(f"argument 'priority' received {type(priority).__name__} {priority!r}; allowed: None, "
+                    f"an int >= 0 (the position on every device type the backend declares) or a dict "
+                    f"mapping device types to positions, e.g. {{'cuda': 0}}")
+
+
+def register(backend: Backend, priority: Union[None, int, Mapping[str, int]] = None) -> Backend:
+    """Register ``backend`` (a :class:`~solattn.backends.base.Backend` instance) under its name.
+
+    ``priority`` places it in the automatic choice: a dict ``{device type: position}``
+    (0 = tried first, e.g. ``{"cuda": 0}``) or one int for every device type the backend
+    declares. Without it the backend runs only when asked for by name (``backend=``,
+    ``use_backend``, ``SOLATTN_BACKEND``), unless it is a built-in. Registering a name
+    again replaces the backend and its positions. Returns ``backend``.
+    """
+    if not isinstance(backend, Backend):
+        raise TypeError(f"argument 'backend' received {type(backend).__name__}; allowed: an instance of "
+                        f"solattn.Backend")
     if not backend.name or backend.name != backend.name.lower() or not backend.name.isalpha():
         raise ValueError(f"backend names are lowercase words; received {backend.name!r}")
+    positions = _positions(backend, priority)
     _REGISTRY[backend.name] = backend
+    _POSITIONS.pop(backend.name, None)
+    if positions:
+        _POSITIONS[backend.name] = positions
+    return backend
+
+
+def unregister(name: str) -> Backend:
+    """Remove the backend called ``name`` (and its priority); returns it."""
+    backend = get_backend(name)
+    del _REGISTRY[backend.name]
+    _POSITIONS.pop(backend.name, None)
     return backend
 
 
@@ -56,29 +117,41 @@ def registered() -> List[str]:
 
 
 def priority(device_type: str) -> List[str]:
-    return [n for n in PRIORITY.get(device_type, _DEFAULT_PRIORITY) if n in _REGISTRY]
+    """The registered backends the automatic choice tries on ``device_type``, in order."""
+    placed = {n: p.get(device_type, p.get("*")) for n, p in _POSITIONS.items()}
+    placed = {n: i for n, i in placed.items() if i is not None}
+    order = [n for n in PRIORITY.get(device_type, _DEFAULT_PRIORITY) if n in _REGISTRY and n not in placed]
+    for name, i in placed.items():   # in registration order
+        order.insert(min(i, len(order)), name)
+    return order
+
+
+def _walk(device_type: str) -> List[str]:
+    """Every registered backend: the priority list, then the rest by name (the order in which
+    listings and error tables show them)."""
+    order = priority(device_type)
+    return order + [n for n in registered() if n not in order]
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[Backend]:
     """Force backend ``name`` for every ``sol_attn`` call inside the block (raises if it cannot run)."""
     backend = get_backend(name)
-    _forced.append(backend.name)
+    token = _forced.set(backend.name)
     try:
         yield backend
     finally:
-        _forced.pop()
+        _forced.reset(token)
 
 
 @contextlib.contextmanager
 def without_forced_backend() -> Iterator[None]:
     """Suspend every ``use_backend`` block (a backward pass must not inherit a forward-only one)."""
-    saved = _forced[:]
-    _forced.clear()
+    token = _forced.set(None)
     try:
         yield
     finally:
-        _forced[:] = saved
+        _forced.reset(token)
 
 
 def differentiable_request(requested: Optional[str]) -> Optional[str]:
@@ -89,8 +162,15 @@ def differentiable_request(requested: Optional[str]) -> Optional[str]:
 
 
 def forced_backend() -> Optional[str]:
-    """The innermost ``use_backend`` name, or None."""
-    return _forced[-1] if _forced else None
+    """The innermost ``use_backend`` name, or None.
+
+    None while ``torch.compile`` traces: Dynamo cannot trace a context variable, and only the
+    entry points' early argument checks run at trace time; the custom ops, which dispatch,
+    read it again when they run.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    return _forced.get()
 
 
 def _reasons(backend: Backend, problem: Problem, plan_only: bool) -> List[str]:
@@ -106,12 +186,12 @@ def choose(problem: Problem, requested: Optional[str] = None, plan_only: bool = 
     ``plan_only`` admits only backends that consume a routing plan (the VSA entry point builds
     its own selection into the plan, which the reference would ignore).
     """
-    explicit = requested or (_forced[-1] if _forced else None)
+    explicit = requested or _forced.get()
     if explicit:
         backend = get_backend(explicit)
         reasons = _reasons(backend, problem, plan_only)
         if reasons:
-            others = [n for n in registered() if n != backend.name
+            others = [n for n in _walk(problem.device.type) if n != backend.name
                       and not _reasons(_REGISTRY[n], problem, plan_only)]
             raise BackendError(
                 f"backend '{backend.name}' cannot run this call ({problem.describe()}): "
@@ -138,11 +218,11 @@ def choose(problem: Problem, requested: Optional[str] = None, plan_only: bool = 
         if not _reasons(_REGISTRY[name], problem, plan_only):
             return _REGISTRY[name]
     table = "\n".join(f"  {n}: " + ("; ".join(_reasons(_REGISTRY[n], problem, plan_only)) or "can run")
-                      for n in registered())
+                      for n in _walk(problem.device.type))
     raise BackendError(f"no solattn backend can run this call ({problem.describe()}):\n" + table)
 
 
-def backends(device=None) -> List[dict]:
+def list_backends(device=None) -> List[dict]:
     """For each registered backend: can it run on ``device`` (default: the best present) and why not.
 
     Returns a list of ``{"name", "available", "reasons", "priority", "description"}`` dicts,
@@ -150,11 +230,10 @@ def backends(device=None) -> List[dict]:
     """
     dev = torch.device(device) if device is not None else best_device()
     order = priority(dev.type)
-    names = order + [n for n in registered() if n not in order]
     out = []
-    for name in names:
+    for name in _walk(dev.type):
         b = _REGISTRY[name]
-        reasons = b.availability_reasons(dev.type)
+        reasons = b.availability_reasons(dev)
         out.append({"name": name, "available": not reasons, "reasons": reasons,
                     "priority": order.index(name) if name in order else None,
                     "description": b.description})

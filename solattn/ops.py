@@ -115,7 +115,7 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
         block_len: ``(ceil(T/64),)`` int32 live rows at the front of each block.
         coarse_gate: tensor of q's shape; adds ``gate * softmax(qm km^T) vm`` per block.
         token_aug: accepted for comfy-kitchen compatibility (0, 64, 128, 192 or 256); no effect.
-        backend: force a backend by name (see :func:`solattn.backends`); keyword only.
+        backend: force a backend by name (see :func:`solattn.list_backends`); keyword only.
 
     Returns:
         ``(B, T, H, D)`` contiguous tensor in v's dtype.

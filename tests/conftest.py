@@ -58,7 +58,7 @@ def rng():
 def plan_backends():
     """Registered backends that consume the routing plan and can run on the CPU here."""
     out = []
-    for info in solattn.backends("cpu"):
+    for info in solattn.list_backends("cpu"):
         b = solattn.dispatch.get_backend(info["name"])
         if b.uses_plan and info["available"]:
             out.append(info["name"])

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import solattn
+from solattn.routing import build_plan
+from solattn.validation import validate
 from solattn import dispatch
 from conftest import DEVICES, TOL, make_qkv, rel_l2
 
@@ -23,7 +25,7 @@ def runnable(device):
     """(backend, device) pairs to test: every registered backend other than the oracle that is
     available on the device."""
     out = []
-    for info in solattn.backends(device):
+    for info in solattn.list_backends(device):
         if info["name"] != "reference" and info["available"]:
             out.append(info["name"])
     return out
@@ -237,8 +239,8 @@ def test_sdpa_small_budget_same_result():
     from solattn.backends import sdpa as sdpamod
     q, k, v = make_qkv(1, 600, 2, 32, dtype=torch.float32, seed=9)
     bias = torch.randn(1, 600)
-    p = solattn.validate(q, k, v, topk_ratio=0.3, key_bias=bias)
-    plan = solattn.build_plan(p)
+    p = validate(q, k, v, topk_ratio=0.3, key_bias=bias)
+    plan = build_plan(p)
     big = sdpamod.sdpa_forward(p, plan)
     tiny = sdpamod.sdpa_forward(p, plan, nbytes=1)          # one query block per SDPA call
     assert rel_l2(tiny, big) < 1e-6

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import solattn
+from solattn.validation import validate
 from solattn.backends.reference import reference_forward
 from conftest import BLOCK, dense_sdpa, make_qkv, rel_l2
 
@@ -150,7 +151,7 @@ def _tied_scores_inputs():
 
 def test_topk_ties_keep_whole_group():
     q, k, v = _tied_scores_inputs()
-    p = solattn.validate(q, k, v, topk_ratio=0.2, tail=False)   # kk = round(0.2 * 10) = 2
+    p = validate(q, k, v, topk_ratio=0.2, tail=False)   # kk = round(0.2 * 10) = 2
     # the tied group of 4 blocks (3..6) all score highest: kk = 2 must keep all four
     from solattn.backends import reference as refmod
     out = refmod.reference_forward(p)
@@ -319,5 +320,42 @@ def test_reference_refuses_over_budget_naming_memory_and_alternatives(monkeypatc
         solattn.sol_attn(q, k, v, backend="reference")
     msg = str(ei.value)
     assert "GiB" in msg and "reference" in msg and "sdpa" in msg
-    p = solattn.validate(q, k, v)
+    p = validate(q, k, v)
     assert reference_forward(p).shape == q.shape   # the guard lives in dispatch, not in the math
+
+
+@pytest.mark.parametrize("kw, spoiled, selection_moves", [
+    # with the tail: qm_i is NaN, so row i of R and every pooled logit p_j of query block i are
+    # NaN; the block's other rows keep finite exact terms but add NaN pooled ones (the score-based
+    # selection compares NaN, which keeps nothing, so non-neighbour blocks stay pooled)
+    (dict(topk_ratio=0.3, tail=True), "block", True),
+    (dict(tau=0.5, tail=True), "block", True),
+    # without the tail only the token's own exact logits carry the NaN; the block's other rows
+    # stay finite but lose their score-selected blocks (R[i, .] is NaN), so they may change
+    (dict(topk_ratio=0.3, tail=False), "token", True),
+    # a coarse gate spreads it over the block through a_i = softmax(qm_i . km_j)
+    (dict(topk_ratio=0.3, tail=False, coarse_gate="gate"), "block", True),
+    # every block exact for query block i (sink_q): no pooled term, no selection to lose
+    (dict(topk_ratio=0.3, tail=True, sink_q=(3, 4)), "token", False),
+])
+def test_nan_in_one_query_token_spoils_only_what_depends_on_it(kw, spoiled, selection_moves):
+    B, n, H, D = 2, 10, 2, 8
+    T = n * BLOCK
+    q, k, v = make_qkv(B, T, H, D, seed=21)
+    if kw.get("coarse_gate") == "gate":
+        kw = dict(kw, coarse_gate=torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(3)))
+    b, i, t, h = 1, 3, 3 * BLOCK + 17, 0
+    clean = ref(q, k, v, **kw)
+    q_nan = q.clone()
+    q_nan[b, t, h, 2] = float("nan")
+    out = ref(q_nan, k, v, **kw)
+    block_rows = torch.zeros(B, T, H, dtype=torch.bool)
+    block_rows[b, i * BLOCK:(i + 1) * BLOCK, h] = True
+    token_row = torch.zeros(B, T, H, dtype=torch.bool)
+    token_row[b, t, h] = True
+    expect_bad = block_rows if spoiled == "block" else token_row
+    bad = ~torch.isfinite(out).all(dim=-1)
+    assert torch.equal(bad, expect_bad), f"non-finite rows: {bad.nonzero().tolist()[:8]}..."
+    assert (~torch.isfinite(out[expect_bad])).all()        # every element of a spoiled row
+    may_change = block_rows if selection_moves else token_row
+    assert torch.equal(out[~may_change], clean[~may_change])

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import solattn
+from solattn.validation import validate
 from solattn import routing
 from conftest import make_qkv
 
 
 def _plan(kw, seed=0, T=700, method=None):
     q, k, v = make_qkv(2, T, 3, 16, seed=seed)
-    p = solattn.validate(q, k, v, **kw)
+    p = validate(q, k, v, **kw)
     return p, routing.build_plan(p, topk_method=method)
 
 
@@ -112,7 +113,7 @@ def test_tail_terms_equal_their_definition():
 
 def test_plans_share_no_cached_tensor():
     q, k, v = make_qkv(1, 200, 2, 16)
-    p = solattn.validate(q, k, v, topk_ratio=0.3)
+    p = validate(q, k, v, topk_ratio=0.3)
     first = routing.build_plan(p)
     first.block_len[0] = 1                      # a caller scribbling on its plan
     second = routing.build_plan(p)

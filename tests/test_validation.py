@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import solattn
+from solattn.validation import validate
 from solattn.backends import reference as refmod
 
 
@@ -93,6 +94,6 @@ def test_valid_edge_values_are_accepted():
     out = solattn.sol_attn(Q, K, V, sink_blocks=(5, 9), sink_q=(0, 0), token_aug=256, scale=-0.2,
                            key_bias=torch.zeros(1, 1, 1, 100), topk_ratio=0.999)
     assert torch.isfinite(out).all()
-    p = solattn.validate(Q, K, V, sink_blocks=(1, 9))
+    p = validate(Q, K, V, sink_blocks=(1, 9))
     assert p.sink_blocks == (1, 2)          # clipped to n
-    assert solattn.validate(Q, K, V, sink_blocks=(4, 9)).sink_blocks is None
+    assert validate(Q, K, V, sink_blocks=(4, 9)).sink_blocks is None

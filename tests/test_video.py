@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import solattn
+from solattn.validation import validate
 from solattn import dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -363,7 +364,7 @@ def test_selection_mask_matches_oracle():
     slot = torch.cat([torch.arange(len(t)) + 64 * j for j, t in enumerate(blocks)])
     tiled = [torch.zeros(2, 64 * len(blocks), 2, 16).index_copy(1, slot, x[:, rows]) for x in (q, k, v)]
     block_len = torch.tensor([len(t) for t in blocks], dtype=torch.int32)
-    problem = solattn.validate(*tiled, tail=False, block_len=block_len)
+    problem = validate(*tiled, tail=False, block_len=block_len)
     exact = select_vsa(block_stats(problem), 3, n_prefix)
     assert exact[:, :, :n_prefix].all() and exact[:, :, :, :n_prefix].all()
     for b in range(2):

@@ -45,6 +45,19 @@ def _live_lengths(p: Problem) -> torch.Tensor:
     return L
 
 
+def _block_means(x: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+    """Mean over the live rows of each block, ``(B, H, T, D)`` -> ``(B, H, n, D)``.
+
+    ``x``'s dead rows must already be zero. A sum per block (not a dense ``(n, T)`` averaging
+    matrix, where ``NaN * 0`` would carry one token's NaN into every block's mean) keeps each
+    mean a function of its own block's rows only, as the definition says.
+    """
+    B, H, T, D = x.shape
+    n = L.shape[0]
+    padded = torch.nn.functional.pad(x, (0, 0, 0, n * BLOCK - T))   # zero rows past T
+    return padded.view(B, H, n, BLOCK, D).sum(dim=3) / L.to(x.dtype)[:, None]
+
+
 def reference_forward(p: Problem) -> torch.Tensor:
     """SPEC.md's output, literally. Returns ``(B, T, H, D)`` in v's dtype, contiguous."""
     B, T, H, n = p.B, p.T, p.H, p.n
@@ -58,15 +71,13 @@ def reference_forward(p: Problem) -> torch.Tensor:
     L = _live_lengths(p)                                   # (n,)
     tok_block = torch.arange(T, device=dev) // BLOCK       # (T,)
     tok_live = (torch.arange(T, device=dev) % BLOCK) < L[tok_block]
-    member = (tok_block[None, :] == torch.arange(n, device=dev)[:, None]) & tok_live[None, :]
-    avg = member.to(f32) / L.to(f32)[:, None]              # (n, T): mean over live rows
     # dead rows never enter anything (a NaN there must not reach a mean or an exact key); their
     # own outputs are unspecified, computed here from zeros
     q, k, v = (torch.where(tok_live[:, None], x, torch.zeros((), device=dev)) for x in (q, k, v))
 
-    qm = avg @ q                                           # (B, H, n, D)
-    km = avg @ k
-    vm = avg @ v
+    qm = _block_means(q, L)                                # (B, H, n, D)
+    km = _block_means(k, L)
+    vm = _block_means(v, L)
     m = km.mean(dim=2, keepdim=True)                       # (B, H, 1, D)
     kmc = km - m
 
@@ -124,20 +135,16 @@ def reference_forward(p: Problem) -> torch.Tensor:
 class ReferenceBackend(Backend):
     name = "reference"
     description = "SPEC.md literally in fp32 with dense T x T scores (the oracle); small problems only"
-    devices = frozenset({"cpu", "cuda", "xpu", "mps", "meta"})
+    devices = None  # plain torch ops: runs wherever torch runs
     uses_plan = False
 
-    def availability_reasons(self, device_type: str) -> List[str]:
-        return []  # plain torch ops: runs wherever torch runs
-
-    def not_supported_reasons(self, problem: Problem) -> List[str]:
-        reasons = super().not_supported_reasons(problem)
+    def problem_reasons(self, problem: Problem) -> List[str]:
         need = estimated_bytes(problem.B, problem.H, problem.T)
         if need > budget.bytes:
-            reasons.append(f"would need about {_gib(need)} for dense T x T scores "
-                           f"(B={problem.B}, H={problem.H}, T={problem.T}), over its budget of "
-                           f"{_gib(budget.bytes)} (solattn.set_memory_budget(nbytes, backend='reference'))")
-        return reasons
+            return [f"would need about {_gib(need)} for dense T x T scores "
+                    f"(B={problem.B}, H={problem.H}, T={problem.T}), over its budget of "
+                    f"{_gib(budget.bytes)} (solattn.set_memory_budget(nbytes, backend='reference'))"]
+        return []
 
     def forward(self, problem: Problem, plan=None) -> torch.Tensor:
         return reference_forward(problem)

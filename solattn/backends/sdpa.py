@@ -92,11 +92,10 @@ class SdpaBackend(Backend):
     devices = frozenset({"cpu", "cuda", "xpu", "mps"})
     features = ALL_FEATURES
 
-    def availability_reasons(self, device_type: str) -> List[str]:
-        reasons = super().availability_reasons(device_type)
-        if not reasons and not hasattr(F, "scaled_dot_product_attention"):
-            reasons.append("torch.nn.functional.scaled_dot_product_attention missing (torch too old)")
-        return reasons
+    def device_reasons(self, device: torch.device) -> List[str]:
+        if not hasattr(F, "scaled_dot_product_attention"):
+            return ["torch.nn.functional.scaled_dot_product_attention missing (torch too old)"]
+        return []
 
     def forward(self, problem: Problem, plan: Plan) -> torch.Tensor:
         return sdpa_forward(problem, plan)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
@@ -81,6 +82,20 @@ def _interpreting() -> bool:
 
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def _install_hint(device_type: str, platform: str) -> str:
+    """What would get Triton onto this machine: the official wheels are Linux-only, and on
+    Intel GPUs Triton comes with PyTorch's XPU builds."""
+    if device_type == "xpu":
+        return "triton not installed (PyTorch's XPU builds bring it as pytorch-triton-xpu)"
+    if platform.startswith("linux"):
+        return "triton not installed (pip install triton)"
+    if platform == "win32":
+        return ("triton not installed, and Triton publishes no Windows wheels (the community build "
+                "'pip install triton-windows' may work, untested with solattn)")
+    name = "macOS" if platform == "darwin" else platform
+    return f"triton not installed, and Triton publishes no wheels for {name} (Linux only)"
 
 
 def _plan_tensor(t: Optional[torch.Tensor], dtype: torch.dtype, fallback: torch.Tensor) -> torch.Tensor:
@@ -196,42 +211,22 @@ class TritonBackend(Backend):
     head_dims = frozenset({16, 32, 64, 128})
     features = ALL_FEATURES - {"autograd"}
     uses_plan = True
+    min_compute_capability = (8, 0)
 
-    def availability_reasons(self, device_type: str) -> List[str]:
-        if device_type not in self.devices:
-            return [f"device type '{device_type}' not supported (supports cuda; xpu with "
-                    f"{XPU_OPT_IN}=1; cpu only under TRITON_INTERPRET=1)"]
-        if not _triton_installed():
-            return ["triton not installed (pip install triton)"]
-        if device_type == "cpu" and not _interpreting():
-            return ["on cpu the kernel runs only in Triton's interpreter, for tests "
-                    "(set TRITON_INTERPRET=1); use the sdpa backend on cpu"]
-        if device_type == "xpu" and os.environ.get(XPU_OPT_IN, "0") != "1":
+    def device_reasons(self, device: torch.device) -> List[str]:
+        # conditions that installing Triton cannot fix come first, so the advice fits the machine
+        if device.type == "cpu" and not _interpreting():
+            return ["runs on CUDA GPUs (sm_80+); on the CPU only under TRITON_INTERPRET=1, for tests "
+                    "(use the sdpa backend on the CPU)"]
+        if device.type == "xpu" and os.environ.get(XPU_OPT_IN, "0") != "1":
             return [f"not yet run on real Intel hardware, so xpu needs an explicit opt-in: set {XPU_OPT_IN}=1"]
-        if device_type == "cuda":
-            if not torch.cuda.is_available():
-                return ["no CUDA device available"]
-            major, minor = torch.cuda.get_device_capability()
-            if major < 8:
-                return [f"needs a GPU of compute capability 8.0 or newer (sm_80+); "
-                        f"this one is {major}.{minor}"]
+        if not _triton_installed():
+            return [_install_hint(device.type, sys.platform)]
         return []
-
-    def not_supported_reasons(self, problem: Problem) -> List[str]:
-        reasons = super().not_supported_reasons(problem)
-        if problem.dtype == torch.float32:
-            reasons = [r for r in reasons if not r.startswith("dtype")]
-            reasons.append("dtype float32 not supported: the kernel runs bf16/fp16 tensor-core "
-                           "products (use the sdpa or reference backend for fp32)")
-        if problem.device.type == "cuda" and torch.cuda.is_available() and not reasons:
-            major, _ = torch.cuda.get_device_capability(problem.device)
-            if major < 8:
-                reasons.append(f"needs compute capability 8.0 or newer on {problem.device}")
-        return reasons
 
     def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None) -> torch.Tensor:
         if plan is None:
-            raise ValueError("triton backend: forward needs the routing plan (solattn.build_plan(problem))")
+            raise ValueError("triton backend: forward needs the routing plan (solattn.routing.build_plan(problem))")
         with torch.no_grad():
             if problem.device.type == "cuda":
                 with torch.cuda.device(problem.device):
