@@ -99,9 +99,34 @@ def test_help_works(capsys):
         assert opt in text, opt
 
 
-def test_bad_backend_name_is_refused(tmp_path):
-    with pytest.raises(SystemExit, match="--backends"):
-        bench.main(["--quick", "--out", str(tmp_path), "--device", "cpu", "--backends", "nonesuch"])
+@pytest.mark.parametrize("argv,option,value", [
+    (["--backends", "nonesuch"], "--backends", "nonesuch"),
+    (["--shapes", "1,100,2"], "--shapes", "'1,100,2'"),
+    (["--shapes", "1,0,2,8"], "--shapes", "'1,0,2,8'"),
+    (["--ratios", "0.1", "1.5"], "--ratios", "1.5"),
+    (["--repeats", "0"], "--repeats", "0"),
+    (["--warmup", "0"], "--warmup", "0"),
+    (["--device", "nonesuch"], "--device", "'nonesuch'"),
+])
+def test_bad_options_are_one_line_usage_errors(argv, option, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "out"), *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("python -m solattn bench: error: ") and option in err and value in err
+    assert "allowed" in err
+    assert not (tmp_path / "out").exists()                                # refused before any work
+
+
+def test_unwritable_out_is_refused_before_timing(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--device", "cpu", "--out", str(blocker / "sub")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and str(blocker / "sub") in err and "making inputs" not in err
 
 
 def test_tail_and_coarse_gate_rows(tmp_path):

@@ -60,7 +60,8 @@ from typing import Optional, Sequence
 from ..backends import reference as reference_module
 from .memory import measure_peak
 from .models import BYTE_MODELS, bytes_moved, flop_count
-from .parsing import DENSE, DTYPE_NAMES, DTYPES, PRESETS, Config, build_parser, parse_shapes, resolve
+from .parsing import (DENSE, DTYPE_NAMES, DTYPES, PRESETS, ArgParser, Config, UsageError, build_parser,
+                      parse_device, parse_shapes, resolve)
 from .report import (COLUMNS, environment, markdown_table, text_table, write_csv, write_markdown,
                      write_plot)
 from .runner import _shape_str, make_inputs, rel_l2, run
@@ -69,8 +70,16 @@ from .timing import log, reset_clock, synchronize, time_calls
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     reset_clock()
-    args = build_parser().parse_args(argv)
-    cfg = resolve(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = resolve(args)
+        os.makedirs(cfg.out, exist_ok=True)   # before minutes of timing, not after
+    except UsageError as exc:
+        parser.error(str(exc))
+    except OSError as exc:
+        parser.error(f"--out received {cfg.out!r}, where no folder can be made ({exc.strerror or exc}); "
+                     "allowed: a writable folder path")
     log(f"device {cfg.device}, dtype {DTYPE_NAMES[cfg.dtype]}, shapes "
         + " ".join(_shape_str(s) for s in cfg.shapes) + f", ratios {cfg.ratios}, tail "
         + ("off+on" if len(cfg.tails) > 1 else "off") + ", backends "
@@ -80,7 +89,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log("nothing to time")
         return 2
     rows = run(cfg)
-    os.makedirs(cfg.out, exist_ok=True)
     csv_path = os.path.join(cfg.out, "bench.csv")
     md_path = os.path.join(cfg.out, "bench.md")
     png_path = os.path.join(cfg.out, "bench.png")
@@ -97,6 +105,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["main", "run", "resolve", "build_parser", "parse_shapes", "Config", "PRESETS", "DTYPES",
-           "DTYPE_NAMES", "DENSE", "COLUMNS", "BYTE_MODELS", "time_calls", "measure_peak", "make_inputs",
+           "DTYPE_NAMES", "DENSE", "ArgParser", "UsageError", "parse_device", "COLUMNS", "BYTE_MODELS", "time_calls", "measure_peak", "make_inputs",
            "flop_count", "bytes_moved", "rel_l2", "synchronize", "log", "reset_clock", "environment",
            "text_table", "markdown_table", "write_csv", "write_markdown", "write_plot"]

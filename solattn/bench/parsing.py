@@ -6,7 +6,7 @@ import argparse
 import datetime as _dt
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, NoReturn, Sequence
 
 import torch
 
@@ -32,6 +32,63 @@ PRESETS["gpu"] = PRESETS["seed"] + PRESETS["sweep"] + PRESETS["h3"]
 DENSE = "dense"
 
 
+class UsageError(ValueError):
+    """A bad command-line value; the message names the option, the value and what is allowed."""
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``PROG: error: MESSAGE (PROG --help lists the options)``,
+    exit status 2, no usage block and never a traceback."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
+def present_devices() -> List[str]:
+    """Device names this torch can use here: ``cpu``, then ``cuda:i``, ``xpu:i``, ``mps``."""
+    devs = ["cpu"]
+    if torch.cuda.is_available():
+        devs += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        devs += [f"xpu:{i}" for i in range(xpu.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devs.append("mps")
+    return devs
+
+
+def parse_device(text: str, option: str = "--device") -> torch.device:
+    """A device name -> ``torch.device``, refused with :class:`UsageError` unless it is present here."""
+    present = present_devices()
+    allowed = f"a device present here: {', '.join(present)}"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise UsageError(f"{option} received {text!r}, which is not a torch device name; "
+                         f"allowed: {allowed}") from None
+    name = str(device)
+    if name in present or (device.index is None and any(d.split(":")[0] == device.type for d in present)) \
+            or (device.type == "mps" and "mps" in present and device.index in (None, 0)):
+        return device
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = (f"this torch ({torch.__version__}) was built without CUDA" if torch.version.cuda is None
+               and getattr(torch.version, "hip", None) is None else "no CUDA device is visible")
+    elif device.type in ("cuda", "xpu") and any(d.startswith(device.type) for d in present):
+        why = f"there is no {name}"
+    else:
+        why = f"{device.type} is not available here"
+    raise UsageError(f"{option} received {text!r}: {why}; allowed: {allowed}")
+
+
+def device_arg(text: str) -> torch.device:
+    """``type=`` for an argparse ``--device`` option: the full message reaches the user."""
+    try:
+        return parse_device(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("--device ", "", 1)) from None
+
+
 def parse_shapes(tokens: Sequence[str]) -> List[Shape]:
     """``B,T,H,D`` tuples (``x`` also separates) and preset names -> unique shapes, in order."""
     shapes: List[Shape] = []
@@ -45,7 +102,7 @@ def parse_shapes(tokens: Sequence[str]) -> List[Shape]:
             except ValueError:
                 dims = ()
             if len(dims) != 4 or min(dims) < 1:
-                raise argparse.ArgumentTypeError(
+                raise UsageError(
                     f"--shapes received {part!r}; allowed: B,T,H,D (four positive ints) or a preset "
                     f"({', '.join(sorted(PRESETS))})")
             shapes.append(dims)  # type: ignore[arg-type]
@@ -53,7 +110,7 @@ def parse_shapes(tokens: Sequence[str]) -> List[Shape]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgParser(
         prog="python -m solattn bench",
         description="Time dense SDPA and every sol_attn backend that can run, on problems scaled to "
                     "the device; print a table (time, speed-up over dense, peak memory, error, FLOP and "
@@ -61,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Presets for --shapes: " + "; ".join(
             f"{k}: " + " ".join(",".join(map(str, s)) for s in v) for k, v in PRESETS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", help="torch device (default: best present, cuda > xpu > mps > cpu)")
+    p.add_argument("--device", type=device_arg, help="torch device (default: best present, cuda > xpu > mps > cpu)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input dtype (default bf16)")
     p.add_argument("--shapes", nargs="+", action="extend", metavar="B,T,H,D|PRESET",
                    help="problems: B,T,H,D tuples and/or presets (default: 'cpu' on a CPU, 'gpu' elsewhere)")
@@ -112,7 +169,8 @@ class Config:
 
 
 def resolve(args: argparse.Namespace) -> Config:
-    device = torch.device(args.device) if args.device else dispatch.best_device()
+    """The options -> a :class:`Config`; a bad value raises :class:`UsageError` before any work."""
+    device = args.device if args.device is not None else dispatch.best_device()
     on_cpu = device.type == "cpu"
     dtype = DTYPES[args.dtype]
     if args.shapes:
@@ -122,7 +180,7 @@ def resolve(args: argparse.Namespace) -> Config:
     ratios = args.ratios or [0.1, 0.2]
     for r in ratios:
         if not 0.0 < r < 1.0:
-            raise SystemExit(f"--ratios received {r}; allowed: 0 < r < 1")
+            raise UsageError(f"--ratios received {r:g}; allowed: 0 < r < 1")
     registered = [n for n in dispatch.registered() if n != "reference"]
     # the device's priority order first, then the rest
     order = [n for n in dispatch.priority(device.type) if n in registered]
@@ -132,14 +190,15 @@ def resolve(args: argparse.Namespace) -> Config:
         wanted = [b.lower() for b in args.backends]
         unknown = [b for b in wanted if b != DENSE and b not in registered]
         if unknown:
-            raise SystemExit(f"--backends received {unknown}; allowed: {DENSE}, " + ", ".join(registered)
+            raise UsageError(f"--backends received {', '.join(unknown)}; allowed: {DENSE}, " + ", ".join(registered)
                              + " (the reference is the error basis, never timed)")
         with_dense = DENSE in wanted
         order = [n for n in order if n in wanted]
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else (3 if on_cpu else 20))
     warmup = args.warmup if args.warmup is not None else (1 if on_cpu or args.quick else 3)
-    if repeats < 1 or warmup < 1:
-        raise SystemExit("--repeats and --warmup must be >= 1")
+    for option, value in (("--repeats", repeats), ("--warmup", warmup)):
+        if value < 1:
+            raise UsageError(f"{option} received {value}; allowed: an integer >= 1")
     out = args.out or os.path.join(
         "benchmarks", "results", f"{device.type}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
     return Config(device=device, dtype=dtype, shapes=shapes, ratios=ratios,
