@@ -208,3 +208,25 @@ def test_peak_memory_sees_a_large_allocation():
     if basis == "n/a":
         pytest.skip("no /proc here")
     assert basis == "rss>=" and 60 <= mib < 200, mib
+
+
+# --------------------------------------------------------------------------- GPU probes
+
+@pytest.mark.parametrize("script", ["probe_gpu.py", "profile_sdpa_gpu.py"])
+def test_gpu_probes_import_and_parse_arguments_here(script, capsys):
+    """The probes need a GPU to be useful; here they must at least import (reusing solattn.bench's
+    inputs, timing, memory, error and FLOP helpers) and parse their options."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(f"_probe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for helper in ("make_inputs", "time_calls", "flop_count"):
+        assert getattr(module, helper) is getattr(bench, helper)
+    args = module.parse_args(["--device", "cpu", "--shapes", "seed", "1,128,1,32", "--ratio", "0.2"])
+    assert args.device.type == "cpu" and args.shapes == [(2, 4056, 16, 128), (1, 128, 1, 32)]
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args(["--device", "nonesuch"])
+    assert exc.value.code == 2 and "--device" in capsys.readouterr().err
