@@ -230,3 +230,19 @@ def test_gpu_probes_import_and_parse_arguments_here(script, capsys):
     with pytest.raises(SystemExit) as exc:
         module.parse_args(["--device", "nonesuch"])
     assert exc.value.code == 2 and "--device" in capsys.readouterr().err
+
+
+def test_terminal_table_explains_its_columns(tmp_path, capsys):
+    rc = bench.main(["--device", "cpu", "--shapes", "1,128,1,32", "--ratios", "0.5", "--repeats", "1",
+                     "--no-plot", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    table, legend = out.split("Columns:", 1)
+    assert "(other op)" in table and "≥" in table              # what the legend has to explain
+    flat = " ".join(legend.split())
+    assert "(other op)\" on the dense row: dense attention is compared with the sparse operator" in flat
+    assert "a leading ≥ marks CPU resident-set sampling, a lower bound" in flat
+    for head in ("time ms", "plan ms", "vs dense", "peak MiB", "rel. L2", "kept"):
+        assert f"\n  {head} " in legend, head
+    md = (tmp_path / "bench.md").read_text()
+    assert "- `peak MiB`: extra memory" in md                   # the same legend in bench.md

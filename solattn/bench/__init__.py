@@ -62,8 +62,8 @@ from .memory import measure_peak
 from .models import BYTE_MODELS, bytes_moved, flop_count
 from .parsing import (DENSE, DTYPE_NAMES, DTYPES, PRESETS, ArgParser, Config, UsageError, build_parser,
                       parse_device, parse_shapes, resolve)
-from .report import (COLUMNS, environment, markdown_table, text_table, write_csv, write_markdown,
-                     write_plot)
+from .report import (COLUMNS, LEGEND, environment, legend_lines, markdown_table, text_table, write_csv,
+                     write_markdown, write_plot)
 from .runner import _shape_str, make_inputs, rel_l2, run
 from .timing import log, reset_clock, synchronize, time_calls
 
@@ -98,6 +98,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(note)
     write_markdown(rows, cfg, md_path, note)
     print(text_table(rows))
+    if rows:
+        import shutil
+        print("\n".join(legend_lines(shutil.get_terminal_size((100, 24)).columns)))
     for s in cfg.skipped_lines():
         print(f"not run: {s}")
     print(f"\nwrote {csv_path}, {md_path}" + ("" if note else f", {png_path}"))
@@ -107,4 +110,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 __all__ = ["main", "run", "resolve", "build_parser", "parse_shapes", "Config", "PRESETS", "DTYPES",
            "DTYPE_NAMES", "DENSE", "ArgParser", "UsageError", "parse_device", "COLUMNS", "BYTE_MODELS", "time_calls", "measure_peak", "make_inputs",
            "flop_count", "bytes_moved", "rel_l2", "synchronize", "log", "reset_clock", "environment",
-           "text_table", "markdown_table", "write_csv", "write_markdown", "write_plot"]
+           "text_table", "LEGEND", "legend_lines", "markdown_table", "write_csv", "write_markdown", "write_plot"]

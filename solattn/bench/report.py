@@ -68,6 +68,41 @@ def table_cells(row: dict, tera: bool = False) -> List[str]:
     return cells
 
 
+#: what each table column means, printed under the terminal table and in bench.md
+LEGEND = [
+    ("time ms", "median time per call over the timed rounds; a sparse row is the whole sol_attn call, "
+                "routing plan included"),
+    ("plan ms", "the routing plan alone (build_plan), part of time ms"),
+    ("vs dense", "speed-up: dense time / this row's time, median over rounds (each round runs dense, "
+                 "then every backend, once)"),
+    ("peak MiB", "extra memory one call needed beyond what was held before it, output included; "
+                 "a leading ≥ marks CPU resident-set sampling, a lower bound; n/a: not measured on "
+                 "this device"),
+    ("rel. L2", "||out - basis|| / ||basis|| against the error basis named in the next column"),
+    ("error basis", "reference = the definition computed in fp32; sdpa-fp32 = the portable backend on "
+                    "fp32 copies (where the reference does not fit); \"(other op)\" on the dense row: "
+                    "dense attention is compared with the sparse operator, so its error is how much the "
+                    "sparsity changes the output, not an accuracy defect"),
+    ("kept", "fraction of (query block, key block) pairs attended exactly, forced neighbours and sinks "
+             "included"),
+    ("GFLOP, GB moved", "the two-number model: FLOPs on the kept blocks, modelled bytes (see bench.md)"),
+    ("GFLOP/s, GB/s", "those per second of time ms (TFLOP/s when a row reaches 1000 GFLOP/s)"),
+]
+
+
+def legend_lines(width: int = 100) -> List[str]:
+    """The column legend for the terminal, wrapped at word boundaries."""
+    import textwrap
+    key_w = max(len(k) for k, _ in LEGEND) + 2
+    lines = ["Columns:"]
+    for key, text in LEGEND:
+        body = textwrap.wrap(text, width=max(40, width - 2 - key_w), break_long_words=False,
+                             break_on_hyphens=False)
+        lines.append("  " + key.ljust(key_w) + body[0])
+        lines += ["  " + " " * key_w + more for more in body[1:]]
+    return lines
+
+
 def text_table(rows: List[dict]) -> str:
     head = table_head(rows)
     body = [table_cells(r, _tera(rows)) for r in rows]
@@ -136,12 +171,7 @@ def write_markdown(rows: List[dict], cfg: Config, path: str, plot_note: str) -> 
     lines = ["# solattn bench", ""]
     lines += [f"- {k}: {v}" for k, v in environment(cfg).items()]
     lines += ["", markdown_table(rows), ""]
-    lines += ["Columns: time is the median per call (sparse rows: the whole `sol_attn` call, routing "
-              "plan included; `plan ms` is that part alone); timed calls are interleaved in rounds (dense, "
-              "then each backend). `vs dense` = median over rounds of dense time / row time. "
-              "Peak MiB: extra memory of one call beyond what was held before it, output included "
-              "(`≥`: CPU resident-set sampling, a lower bound). rel. L2 against the basis named; the "
-              "dense row's error is against the sparse operator, i.e. what the sparsity changes.", ""]
+    lines += ["Columns:", ""] + [f"- `{key}`: {text}" for key, text in LEGEND] + [""]
     if cfg.skipped:
         lines += ["Not run:", ""] + [f"- {s}" for s in cfg.skipped_lines()] + [""]
     if plot_note:
