@@ -134,7 +134,7 @@ def _import_comfy_kitchen():
         raise ImportError(
             "solattn's comfy-kitchen plug-in needs the comfy-kitchen package, which cannot be "
             f"imported here ({exc}). Install it with `pip install comfy-kitchen` "
-            "(tested with 0.2.40; `pip install \"solattn[comfy]\"` does the same).") from exc
+            "(tested with 0.2.40; in a solattn checkout, `pip install -e \".[comfy]\"` does the same).") from exc
     missing = [name for name in _REGISTRY_TABLES if not hasattr(registry, name)]
     missing += [name for name in ("FunctionConstraints", "ParamConstraint", "ExactDims", "ValidationResult",
                                   "sol_attn_common_call_rule") if not hasattr(ck_constraints, name)]
