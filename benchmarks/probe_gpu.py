@@ -1,88 +1,119 @@
 """Where the end-to-end time of ``sol_attn`` goes on a GPU: plan stages, backends, SDPA mask dtypes.
 
-    PYTHONPATH=. python benchmarks/probe_gpu.py [--out DIR]
+    PYTHONPATH=. python benchmarks/probe_gpu.py [--out DIR] [--device cuda] [--shapes seed h3]
 
-Prints a table and writes probe_gpu.md under --out. Timings: median of
-``triton.testing.do_bench`` (CUDA events), inputs with per-block offsets so routing is
-meaningful. Not a test: figures only.
+Prints a table and writes probe_gpu.md under --out. Inputs, timing (median of --repeats calls
+after --warmup, the device synchronised around each), peak memory, error and FLOP counts are
+``python -m solattn bench``'s own (``solattn.bench``), so the figures compare with its tables.
+Not a test: figures only.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import statistics
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 import solattn
+from solattn import dispatch, routing
 from solattn.validation import validate
-from solattn import routing
 from solattn.backends.sdpa import sdpa_forward
+from solattn.bench import (ArgParser, UsageError, flop_count, log, make_inputs, measure_peak, parse_device,
+                           parse_shapes, rel_l2, time_calls)
 
 
-def make(B, T, H, D, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    n = math.ceil(T / 64)
-    out = []
-    for _ in range(3):
-        off = torch.randn(B, n, H, D, device="cuda", generator=g).repeat_interleave(64, 1)[:, :T]
-        out.append(((torch.randn(B, T, H, D, device="cuda", generator=g) * 0.5 + off) * D ** -0.25).bfloat16())
-    return out
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    ap = ArgParser(prog="benchmarks/probe_gpu.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for probe_gpu.md")
+    ap.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    ap.add_argument("--shapes", nargs="+", default=["seed", "h3"], metavar="B,T,H,D|PRESET",
+                    help="problems, as for `python -m solattn bench` (default: seed h3)")
+    ap.add_argument("--ratio", type=float, default=0.1, help="top-k ratio (default 0.1)")
+    ap.add_argument("--repeats", type=int, default=50, help="timed calls per figure, median (default 50)")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
+    args = ap.parse_args(argv)
+    try:
+        args.device = parse_device(args.device)
+        args.shapes = parse_shapes(args.shapes)
+    except UsageError as exc:
+        ap.error(str(exc))
+    if not 0 < args.ratio < 1:
+        ap.error(f"--ratio received {args.ratio:g}; allowed: 0 < r < 1")
+    return args
 
 
-def ms(fn):
-    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    dev, ratio = args.device, args.ratio
+    lines = ["| shape | what | ms | TFLOP/s | peak MiB | rel. L2 vs sdpa fp32 |", "|---|---|---|---|---|---|"]
 
+    def ms(fn) -> float:
+        return statistics.median(time_calls(fn, dev, args.repeats, warmup=args.warmup))
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
-    lines = ["| shape | what | ms |", "|---|---|---|"]
+    def row(shape: str, what: str, t: float, flops: Optional[float] = None, peak: Optional[float] = None,
+            err: Optional[float] = None) -> None:
+        cells = [f"{t:.3f}", "" if flops is None else f"{flops / t / 1e9:.3g}",
+                 "" if peak is None else f"{peak:.0f}", "" if err is None else f"{err:.2e}"]
+        lines.append(f"| {shape} | {what} | " + " | ".join(cells) + " |")
+        log(f"{shape:>16} {what:<48} " + "  ".join(cells))
 
-    def row(shape, what, t):
-        lines.append(f"| {shape} | {what} | {t:.3f} |")
-        print(f"{shape:>6} {what:<48} {t:9.3f} ms", flush=True)
-
-    for name, (B, T, H, D) in (("seed", (2, 4056, 16, 128)), ("H3", (1, 37296, 56, 128))):
-        q, k, v = make(B, T, H, D)
+    for shape in args.shapes:
+        name = "x".join(map(str, shape))
+        D = shape[3]
+        q, k, v = make_inputs(shape, torch.bfloat16, dev)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        row(name, "dense F.sdpa", ms(lambda: F.scaled_dot_product_attention(qt, kt, vt)))
+        dense = lambda: F.scaled_dot_product_attention(qt, kt, vt)  # noqa: E731
+        _, peak, _ = measure_peak(dense, dev)
+        row(name, "dense F.sdpa", ms(dense), flop_count(shape, None), peak)
         for tail in (False, True):
-            p = validate(q, k, v, topk_ratio=0.1, tail=tail)
+            p = validate(q, k, v, topk_ratio=ratio, tail=tail)
             stats = routing.block_stats(p)
             exact = routing.select_exact(p, stats)
             plan = routing.build_plan(p)
+            kept = flop_count(shape, int(plan.kv_num_blocks.sum().item()))
             if not tail:
                 row(name, "plan: block_stats", ms(lambda: routing.block_stats(p)))
                 row(name, "plan: select_exact", ms(lambda: routing.select_exact(p, stats)))
                 row(name, "plan: indices_from_mask", ms(lambda: routing.indices_from_mask(exact)))
             row(name, f"plan: build_plan tail={tail}", ms(lambda: routing.build_plan(p)))
-            row(name, f"sdpa backend (plan given) tail={tail}", ms(lambda: sdpa_forward(p, plan)))
+            row(name, f"sdpa backend (plan given) tail={tail}", ms(lambda: sdpa_forward(p, plan)), kept)
+            basis = solattn.sol_attn(q.float(), k.float(), v.float(), topk_ratio=ratio, tail=tail,
+                                     backend="sdpa")
             for b in ("triton", "sdpa"):
-                row(name, f"sol_attn end to end, {b}, tail={tail}",
-                    ms(lambda: solattn.sol_attn(q, k, v, topk_ratio=0.1, tail=tail, backend=b)))
-        # does the CUDA SDPA take an fp32 additive mask with bf16 inputs, and at what cost?
+                reasons = dispatch.get_backend(b).not_supported_reasons(p)
+                if reasons:
+                    lines.append(f"| {name} | {b}, tail={tail} | not run: {'; '.join(reasons)} | | | |")
+                    continue
+                call = lambda b=b: solattn.sol_attn(q, k, v, topk_ratio=ratio, tail=tail, backend=b)  # noqa: E731
+                out, peak, _ = measure_peak(call, dev)
+                row(name, f"sol_attn end to end, {b}, tail={tail}", ms(call), kept, peak, rel_l2(out, basis))
+            del basis
+        # does the device's SDPA take an fp32 additive mask with bf16 inputs, and at what cost?
         nr, L = 256, 60 * 64
-        qq = torch.randn(nr, 1, 64, D, device="cuda", dtype=torch.bfloat16)
-        kk = torch.randn(nr, 1, L, D, device="cuda", dtype=torch.bfloat16)
-        vv = torch.randn(nr, 1, L, D, device="cuda", dtype=torch.bfloat16)
+        qq = torch.randn(nr, 1, 64, D, device=dev, dtype=torch.bfloat16)
+        kk = torch.randn(nr, 1, L, D, device=dev, dtype=torch.bfloat16)
+        vv = torch.randn(nr, 1, L, D, device=dev, dtype=torch.bfloat16)
         for mname, mask in (("none", None),
-                            ("bf16 (nr,1,1,L)", torch.zeros(nr, 1, 1, L, device="cuda", dtype=torch.bfloat16)),
-                            ("fp32 (nr,1,1,L)", torch.zeros(nr, 1, 1, L, device="cuda"))):
+                            ("bf16 (nr,1,1,L)", torch.zeros(nr, 1, 1, L, device=dev, dtype=torch.bfloat16)),
+                            ("fp32 (nr,1,1,L)", torch.zeros(nr, 1, 1, L, device=dev))):
             try:
                 row(name, f"F.sdpa on gathered ({nr} x 64 x {L}), mask {mname}",
                     ms(lambda: F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)))
             except Exception as e:  # report what the device refuses
-                lines.append(f"| {name} | mask {mname} | refused: {type(e).__name__}: {str(e)[:80]} |")
-                print("mask", mname, "refused:", e, flush=True)
-        del q, k, v
-        torch.cuda.empty_cache()
+                lines.append(f"| {name} | mask {mname} | refused: {type(e).__name__}: {e} | | | |")
+                log(f"mask {mname} refused: {e}")
+        del q, k, v, qt, kt, vt
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
     with open(os.path.join(args.out, "probe_gpu.md"), "w") as f:
-        f.write(f"# probe_gpu on {torch.cuda.get_device_name()} (torch {torch.__version__})\n\n")
+        f.write(f"# probe_gpu on {device_name} (torch {torch.__version__})\n\n")
+        f.write(f"top-k {ratio:g}, bf16, {args.warmup} warm-up + {args.repeats} timed calls (median)\n\n")
         f.write("\n".join(lines) + "\n")
 
 

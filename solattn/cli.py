@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import platform
+import shutil
 import sys
+import textwrap
 import time
 from typing import List, Optional
 
 import torch
 
 from . import dispatch
+from .bench.parsing import ArgParser, device_arg
 from .routing import build_plan, live_lengths, live_token_mask
 from .synthetic import block_structured_qkv
 from .validation import validate
@@ -58,9 +60,17 @@ def _check_problems(device):
                     sink_q=(4, 5)))
 
 
+def _wrapped(text: str, indent: int) -> str:
+    """``text`` wrapped to the terminal at word boundaries (never inside a word), continuation
+    lines indented by ``indent``; a word longer than the line is left whole."""
+    width = max(shutil.get_terminal_size((100, 24)).columns, indent + 40)
+    lines = textwrap.wrap(text, width=width - indent, break_long_words=False, break_on_hyphens=False)
+    return ("\n" + " " * indent).join(lines) if lines else ""
+
+
 def check(args) -> int:
     from .backends.reference import reference_forward
-    device = torch.device(args.device) if args.device else dispatch.best_device()
+    device = args.device if args.device is not None else dispatch.best_device()
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}   # SPEC.md, "Accuracy"
     rows, failed = [], False
     infos = [b for b in dispatch.list_backends(device) if b["name"] != "reference"]
@@ -73,7 +83,7 @@ def check(args) -> int:
             backend = dispatch.get_backend(name_)
             reasons = backend.not_supported_reasons(p)
             if reasons:
-                rows.append((name_, name, "skip", "; ".join(reasons)[:70]))
+                rows.append((name_, name, "skip", "; ".join(reasons)))
                 continue
             t0 = time.perf_counter()
             try:
@@ -84,28 +94,28 @@ def check(args) -> int:
                              f"rel L2 {err:.2e} ({(time.perf_counter() - t0) * 1e3:.0f} ms)"))
             except Exception as e:  # report, don't hide: a crash is a failure
                 ok = False
-                rows.append((name_, name, "FAIL", f"{type(e).__name__}: {e}"[:80]))
+                rows.append((name_, name, "FAIL", f"{type(e).__name__}: {e}"))
             failed |= not ok
     print(f"solattn check on {device} (tolerance: fp32 1e-5, bf16/fp16 1e-2 relative L2 vs reference)")
     for b in infos:
         if not b["available"]:
-            print(f"  {b['name']:<10} not run here: {'; '.join(b['reasons'])}")
+            print(f"  {b['name']:<10} " + _wrapped(f"not run here: {'; '.join(b['reasons'])}", 13))
     if not rows:
         print("no backend other than the reference can run here")
         return 1
     w = max(len(r[1]) for r in rows)
     for backend, name, status, detail in rows:
-        print(f"  {backend:<10} {name:<{w}}  {status:<5} {detail}")
+        print(f"  {backend:<10} {name:<{w}}  {status:<5} " + _wrapped(detail, 2 + 10 + 1 + w + 2 + 5 + 1))
     print("FAILED" if failed else "all passed")
     return 1 if failed else 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m solattn", description=__doc__)
+    parser = ArgParser(prog="python -m solattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="torch version, devices, backends and why each can or cannot run")
     pc = sub.add_parser("check", help="every backend that can run here against the reference")
-    pc.add_argument("--device", default=None, help="device to check (default: best present)")
+    pc.add_argument("--device", type=device_arg, default=None, help="device to check (default: best present)")
     sub.add_parser("bench", help="timings, memory, error and plots (see `bench --help`)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":

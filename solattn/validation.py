@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -112,6 +113,29 @@ class Problem:
                 f"on {self.device.type}, features: {', '.join(sorted(self.features))}")
 
 
+# No video or language model has hundreds of heads and fewer tokens than heads, while
+# SDPA's (B, H, T, D) passed as (B, T, H, D) gives exactly that: a likely layout mistake.
+_LAYOUT_HEADS = 256
+_layout_warned = False
+
+
+def _warn_if_sdpa_layout(shape: Tuple[int, int, int, int]) -> None:
+    """Warn once per process when q looks like SDPA's ``(B, H, T, D)`` layout."""
+    global _layout_warned
+    B, T, H, D = shape
+    # while torch.compile traces, stay silent (a warning would break the graph); the custom
+    # op validates again when it runs, and warns then
+    if _layout_warned or not (H > _LAYOUT_HEADS and H > T) or torch.compiler.is_compiling():
+        return
+    _layout_warned = True
+    warnings.warn(
+        f"sol_attn: q has shape {tuple(shape)}, read as (B, T, H, D): T={T} tokens and H={H} heads. "
+        "sol_attn takes (B, T, H, D), not the (B, H, T, D) layout of "
+        "torch.nn.functional.scaled_dot_product_attention; if these tensors are (B, H, T, D), "
+        "pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) (and transpose the output "
+        "back). This warning is shown once.", UserWarning, stacklevel=4)
+
+
 def _fail(arg: str, received, allowed: str, exc=ValueError):
     raise exc(f"sol_attn: argument '{arg}' received {received}; allowed: {allowed}")
 
@@ -196,6 +220,7 @@ def validate(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bi
     B, T, H, D = q.shape
     if min(B, T, H, D) < 1:
         _fail("q", _tensor_desc(q), "B, T, H, D >= 1 (an empty sequence T = 0 is not allowed)")
+    _warn_if_sdpa_layout((B, T, H, D))
     n = num_blocks(T)
 
     tau = _check_real("tau", tau)

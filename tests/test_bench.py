@@ -99,9 +99,34 @@ def test_help_works(capsys):
         assert opt in text, opt
 
 
-def test_bad_backend_name_is_refused(tmp_path):
-    with pytest.raises(SystemExit, match="--backends"):
-        bench.main(["--quick", "--out", str(tmp_path), "--device", "cpu", "--backends", "nonesuch"])
+@pytest.mark.parametrize("argv,option,value", [
+    (["--backends", "nonesuch"], "--backends", "nonesuch"),
+    (["--shapes", "1,100,2"], "--shapes", "'1,100,2'"),
+    (["--shapes", "1,0,2,8"], "--shapes", "'1,0,2,8'"),
+    (["--ratios", "0.1", "1.5"], "--ratios", "1.5"),
+    (["--repeats", "0"], "--repeats", "0"),
+    (["--warmup", "0"], "--warmup", "0"),
+    (["--device", "nonesuch"], "--device", "'nonesuch'"),
+])
+def test_bad_options_are_one_line_usage_errors(argv, option, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "out"), *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("python -m solattn bench: error: ") and option in err and value in err
+    assert "allowed" in err
+    assert not (tmp_path / "out").exists()                                # refused before any work
+
+
+def test_unwritable_out_is_refused_before_timing(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--device", "cpu", "--out", str(blocker / "sub")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and str(blocker / "sub") in err and "making inputs" not in err
 
 
 def test_tail_and_coarse_gate_rows(tmp_path):
@@ -124,3 +149,100 @@ def test_plot_skipped_without_matplotlib(monkeypatch, tmp_path):
     row = dict(backend="dense", B=1, T=64, H=1, D=16, ratio=0.1, tail=False, time_ms=1.0)
     note = bench.write_plot([row], str(tmp_path / "x.png"), cfg)
     assert "matplotlib" in note and not (tmp_path / "x.png").exists()
+
+
+# --------------------------------------------------------------------------- Windows and macOS
+
+def test_no_module_level_posix_only_imports():
+    """``resource`` and ``fcntl`` do not exist on Windows: no solattn module imports them at load."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(bench.__file__).resolve().parents[1]
+    offenders = []
+    for path in root.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:          # module level only
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] in ("resource", "fcntl")]
+    assert not offenders
+
+
+def test_runs_without_resource_and_getloadavg(monkeypatch, tmp_path):
+    """What Windows lacks (``resource``, ``os.getloadavg``) only removes figures, never the run."""
+    import sys
+
+    from solattn.bench import memory
+    monkeypatch.setitem(sys.modules, "resource", None)                    # import resource fails
+    monkeypatch.delattr(os, "getloadavg", raising=False)
+    assert memory._maxrss_bytes() is None
+    rc = bench.main(["--device", "cpu", "--shapes", "1,128,1,32", "--ratios", "0.5", "--repeats", "1",
+                     "--no-plot", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert {r["backend"] for r in rows} == {"dense", "sdpa"}
+    assert all(r["peak_basis"] == "rss>=" and float(r["peak_mib"]) >= 0 for r in rows)   # sampler alone
+    md = (tmp_path / "bench.md").read_text()
+    assert "load average" not in md and "| backend |" in md
+
+
+def test_peak_memory_without_proc_is_not_a_number(monkeypatch):
+    """No ``/proc`` (Windows, macOS): the call still runs and returns its output; no figure is made up."""
+    import torch
+
+    from solattn.bench import memory
+    monkeypatch.setattr(memory, "_rss_bytes", lambda: None)
+    x = torch.arange(6.0)
+    out, mib, basis = bench.measure_peak(lambda: x * 2, torch.device("cpu"))
+    assert torch.equal(out, x * 2) and mib is None and basis == "n/a"
+
+
+def test_peak_memory_sees_a_large_allocation():
+    import torch
+
+    n = 64 << 20                                                         # 64 MiB, touched
+    _, mib, basis = bench.measure_peak(lambda: torch.ones(n, dtype=torch.uint8), torch.device("cpu"))
+    if basis == "n/a":
+        pytest.skip("no /proc here")
+    assert basis == "rss>=" and 60 <= mib < 200, mib
+
+
+# --------------------------------------------------------------------------- GPU probes
+
+@pytest.mark.parametrize("script", ["probe_gpu.py", "profile_sdpa_gpu.py"])
+def test_gpu_probes_import_and_parse_arguments_here(script, capsys):
+    """The probes need a GPU to be useful; here they must at least import (reusing solattn.bench's
+    inputs, timing, memory, error and FLOP helpers) and parse their options."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(f"_probe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for helper in ("make_inputs", "time_calls", "flop_count"):
+        assert getattr(module, helper) is getattr(bench, helper)
+    args = module.parse_args(["--device", "cpu", "--shapes", "seed", "1,128,1,32", "--ratio", "0.2"])
+    assert args.device.type == "cpu" and args.shapes == [(2, 4056, 16, 128), (1, 128, 1, 32)]
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args(["--device", "nonesuch"])
+    assert exc.value.code == 2 and "--device" in capsys.readouterr().err
+
+
+def test_terminal_table_explains_its_columns(tmp_path, capsys):
+    rc = bench.main(["--device", "cpu", "--shapes", "1,128,1,32", "--ratios", "0.5", "--repeats", "1",
+                     "--no-plot", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    table, legend = out.split("Columns:", 1)
+    assert "(other op)" in table and "≥" in table              # what the legend has to explain
+    flat = " ".join(legend.split())
+    assert "(other op)\" on the dense row: dense attention is compared with the sparse operator" in flat
+    assert "a leading ≥ marks CPU resident-set sampling, a lower bound" in flat
+    for head in ("time ms", "plan ms", "vs dense", "peak MiB", "rel. L2", "kept"):
+        assert f"\n  {head} " in legend, head
+    md = (tmp_path / "bench.md").read_text()
+    assert "- `peak MiB`: extra memory" in md                   # the same legend in bench.md

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from solattn import cli
@@ -33,3 +34,63 @@ def test_check_fails_with_exit_code_1_when_a_backend_is_wrong(monkeypatch, capsy
     assert cli.main(["check", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "FAILED" in out
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "solattn", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args,option,value", [
+    (("bench", "--shapes", "1,100,2"), "--shapes", "'1,100,2'"),
+    (("bench", "--device", "cuda" if not torch.cuda.is_available() else "cuda:99"), "--device", "cuda"),
+    (("check", "--device", "foo"), "--device", "'foo'"),
+    (("check", "--device", "cuda:99"), "--device", "'cuda:99'"),
+    (("bench", "--ratios", "2"), "--ratios", "2"),
+])
+def test_user_mistakes_are_one_line_usage_errors(args, option, value):
+    res = run_cli(*args)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    err = res.stderr.strip()
+    assert "Traceback" not in err and "\n" not in err, err
+    assert f"python -m solattn {args[0]}: error:" in err and option in err and value in err
+    assert "allowed" in err                                     # says what would work
+    if option == "--device":
+        assert "a device present here: cpu" in err
+    assert res.stdout == ""
+
+
+def test_device_names_present_here_are_accepted():
+    from solattn.bench.parsing import parse_device
+    assert parse_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert parse_device("cuda:0") == torch.device("cuda:0")
+
+
+def _long_reason():
+    return ("this reason is deliberately long so that it cannot fit on one terminal line: "
+            + " ".join(f"word{i}" for i in range(40)) + " and it ends with the decisive detail")
+
+
+def test_check_prints_skip_reasons_whole(monkeypatch, capsys):
+    from solattn.backends import sdpa as sdpamod
+    reason = _long_reason()
+    monkeypatch.setattr(sdpamod.SdpaBackend, "not_supported_reasons", lambda self, p: [reason])
+    monkeypatch.setenv("COLUMNS", "100")
+    cli.main(["check", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert reason in " ".join(out.split())                     # every word, in order, none cut
+    assert all(len(line) <= 100 for line in out.splitlines())  # wrapped at word boundaries
+    assert "skip" in out
+
+
+def test_check_prints_failure_messages_whole(monkeypatch, capsys):
+    from solattn.backends import sdpa as sdpamod
+    reason = _long_reason()
+
+    def boom(self, p, plan):
+        raise RuntimeError(reason)
+
+    monkeypatch.setattr(sdpamod.SdpaBackend, "forward", boom)
+    assert cli.main(["check", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert f"RuntimeError: {reason}" in " ".join(out.split()) and "FAILED" in out

@@ -28,6 +28,7 @@ from solattn.integrations import comfy_kitchen as plugin  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 NODE_INIT = ROOT / "integrations" / "comfyui" / "solattn_xpu" / "__init__.py"
 D = 128
+NAME = "solattn"  # the plug-in's name in comfy-kitchen's registry (Intel's fork takes "xpu")
 
 
 def registry_state():
@@ -104,12 +105,12 @@ def test_env_variable_installs_at_import():
     code = ("import solattn, comfy_kitchen as ck\n"
             "from comfy_kitchen.registry import registry as r\n"
             "print(solattn.integrations.comfy_kitchen.installed_devices(), r._priority[0],\n"
-            "      sorted(r.get_constraints('xpu', 'sol_attn').default_devices))\n"
+            "      sorted(r.get_constraints('solattn', 'sol_attn').default_devices))\n"
             "q = k = v = __import__('torch').randn(1, 128, 1, 128)\n"
             "print(r.get_capable_backend('sol_attn', dict(q=q, k=k, v=v, tau=1.0, topk_ratio=0.0, token_aug=0)))")
     res = run_python(code, " cpu, xpu ")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split("\n")[:2] == ["('cpu', 'xpu') xpu ['cpu', 'xpu']", "xpu"]
+    assert res.stdout.split("\n")[:2] == ["('cpu', 'xpu') solattn ['cpu', 'xpu']", "solattn"]
 
     bad = run_python("import solattn", "cuda")
     assert bad.returncode != 0
@@ -133,14 +134,43 @@ def test_install_without_comfy_kitchen_says_how_to_get_it(monkeypatch):
     assert not plugin.is_installed()
 
 
-def test_refuses_to_replace_a_foreign_xpu_backend():
-    foreign = type(sys)("someone_elses_xpu_backend")
-    registry.register("xpu", foreign, {"sol_attn": None})
+def test_refuses_to_replace_a_foreign_backend_of_the_same_name():
+    foreign = type(sys)("someone_elses_backend")
+    registry.register(NAME, foreign, {"sol_attn": None})
     try:
-        with pytest.raises(RuntimeError, match="already has a backend named 'xpu'"):
+        with pytest.raises(RuntimeError, match=f"already has a backend named '{NAME}'"):
             plugin.install(("cpu",))
-        assert registry._backends["xpu"] is foreign and not plugin.is_installed()
+        assert registry._backends[NAME] is foreign and not plugin.is_installed()
     finally:
+        with registry._lock:
+            registry._backends.pop(NAME)
+            registry._capabilities.pop(NAME)
+            registry._constraints.pop((NAME, "sol_attn"))
+
+
+def test_coexists_with_intels_xpu_backend(sdpa_calls):
+    """Intel's comfy-kitchen fork registers a backend named "xpu": the plug-in takes its own name,
+    leaves that backend alone, and uninstall leaves it as it was."""
+    assert plugin.BACKEND_NAME == NAME != "xpu"
+    intel = type(sys)("intel_xpu_backend")
+    intel.sol_attn = lambda **kw: pytest.fail("the plug-in goes first")
+    original = list(registry._priority)
+    registry.register("xpu", intel, {"sol_attn": None})
+    registry.set_priority(["xpu", *original])
+    try:
+        plugin.install(("cpu",))
+        assert registry._backends["xpu"] is intel and registry._backends[NAME] is plugin
+        assert registry._priority[:2] == [NAME, "xpu"]
+        q = k = v = torch.randn(1, 128, 1, D)
+        ck.sol_attn(q, k, v)
+        assert len(sdpa_calls) == 1
+        plugin.install(("cpu",), first=False)                   # behind Intel's, ahead of eager
+        assert registry._priority == ["xpu", *original[:-1], NAME, "eager"]
+        plugin.uninstall()
+        assert registry._backends["xpu"] is intel and registry._priority == ["xpu", *original]
+    finally:
+        plugin.uninstall()
+        registry.set_priority(original)
         with registry._lock:
             registry._backends.pop("xpu")
             registry._capabilities.pop("xpu")
@@ -153,10 +183,10 @@ def test_cpu_calls_select_the_plugin(sdpa_calls):
     q, k, v = (torch.randn(1, 200, 2, D) for _ in range(3))
     assert registry.get_capable_backend("sol_attn", op_kwargs(q, k, v)) == "eager"
     assert plugin.install(("cpu",)) == ("cpu",)
-    assert registry._priority[0] == "xpu"
-    status = registry.list_backends()["xpu"]
+    assert registry._priority[0] == NAME
+    status = registry.list_backends()[NAME]
     assert status["available"] and status["capabilities"] == ["sol_attn"]
-    assert registry.get_capable_backend("sol_attn", op_kwargs(q, k, v)) == "xpu"
+    assert registry.get_capable_backend("sol_attn", op_kwargs(q, k, v)) == NAME
     out = ck.sol_attn(q, k, v, topk_ratio=0.25)
     assert len(sdpa_calls) == 1 and sdpa_calls[0].q.data_ptr() == q.data_ptr()
     assert sdpa_calls[0].mode == "topk" and out.shape == q.shape and out.is_contiguous()
@@ -167,23 +197,23 @@ def test_constraints_admit_exactly_what_solattn_runs():
     plugin.install(("xpu",))  # a CPU call is not ours
     assert registry.get_capable_backend("sol_attn", op_kwargs(q, k, v)) == "eager"
     plugin.install(("cpu", "mps"))  # updates the registration in place
-    assert registry.get_constraints("xpu", "sol_attn").default_devices == frozenset({"cpu", "mps"})
+    assert registry.get_constraints(NAME, "sol_attn").default_devices == frozenset({"cpu", "mps"})
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         t = q.to(dtype)
-        assert registry.validate_backend_for_call("xpu", "sol_attn", op_kwargs(t, t, t)).success
+        assert registry.validate_backend_for_call(NAME, "sol_attn", op_kwargs(t, t, t)).success
     t = q.to(torch.float64)
-    assert not registry.validate_backend_for_call("xpu", "sol_attn", op_kwargs(t, t, t)).success
+    assert not registry.validate_backend_for_call(NAME, "sol_attn", op_kwargs(t, t, t)).success
     # comfy-kitchen's shared rule (head_dim 128) still applies to every backend, ours included
     small = torch.randn(1, 130, 2, 64)
     with pytest.raises(NoCapableBackendError) as err:
         registry.get_capable_backend("sol_attn", op_kwargs(small, small, small))
-    assert "head_dim must be 128" in err.value.failures["xpu"]
+    assert "head_dim must be 128" in err.value.failures[NAME]
     # what solattn's validation refuses falls through to comfy-kitchen's own reference
-    bad = registry.validate_backend_for_call("xpu", "sol_attn", op_kwargs(q, k, v, tau=float("nan")))
+    bad = registry.validate_backend_for_call(NAME, "sol_attn", op_kwargs(q, k, v, tau=float("nan")))
     assert not bad.success and bad.failed_param == "tau" and "finite" in bad.failure_reason
     assert registry.get_capable_backend("sol_attn", op_kwargs(q, k, v, tau=float("nan"))) == "eager"
     head_mask = torch.zeros(1, 2, 1, 130)
-    bad = registry.validate_backend_for_call("xpu", "sol_attn", op_kwargs(q, k, v, key_bias=head_mask))
+    bad = registry.validate_backend_for_call(NAME, "sol_attn", op_kwargs(q, k, v, key_bias=head_mask))
     assert not bad.success and bad.failed_param == "key_bias"
 
 
@@ -320,11 +350,11 @@ def test_install_is_idempotent_and_uninstall_restores_dispatch(sdpa_calls):
     once = registry_state()
     plugin.install(("cpu",))
     plugin.install("cpu")
-    assert registry_state() == once and registry._priority.count("xpu") == 1
+    assert registry_state() == once and registry._priority.count(NAME) == 1
 
     plugin.install(("cpu",), first=False)  # just ahead of comfy-kitchen's reference
-    assert registry._priority[-2:] == ["xpu", "eager"] and registry._priority.count("xpu") == 1
-    assert registry.get_capable_backend("sol_attn", op_kwargs(q, k, v)) == "xpu"
+    assert registry._priority[-2:] == [NAME, "eager"] and registry._priority.count(NAME) == 1
+    assert registry.get_capable_backend("sol_attn", op_kwargs(q, k, v)) == NAME
     out = ck.sol_attn(q, k, v, tau=0.7)
     assert len(sdpa_calls) == 1 and rel_l2(out, expected) < 2e-5
 
@@ -338,10 +368,10 @@ def test_install_is_idempotent_and_uninstall_restores_dispatch(sdpa_calls):
 def test_uninstall_keeps_a_priority_order_changed_after_install():
     original = list(registry._priority)
     plugin.install(("cpu",))
-    registry.set_priority(["eager", "xpu", "cuda"])  # someone else reorders
+    registry.set_priority(["eager", NAME, "cuda"])  # someone else reorders
     try:
         plugin.uninstall()
-        assert registry._priority == ["eager", "cuda"] and "xpu" not in registry._backends
+        assert registry._priority == ["eager", "cuda"] and NAME not in registry._backends
     finally:
         registry.set_priority(original)
 
@@ -368,7 +398,53 @@ def test_comfyui_custom_node_installs_for_present_devices(caplog, monkeypatch, s
     assert len(lines) == 2 and lines[0] == lines[1]  # one line per import
     assert lines[0].startswith("solattn: comfy_kitchen.sol_attn on " + ", ".join(present))
     assert "'sdpa'" in lines[0] and all(r.levelno == logging.INFO for r in ours)
-    assert registry._priority.count("xpu") == 1
+    assert registry._priority.count(NAME) == 1
     q = k = v = torch.randn(1, 128, 1, D)
     ck.sol_attn(q, k, v)
     assert len(sdpa_calls) == 1
+
+
+# --------------------------------------------------------------------------- comfy-kitchen's contract
+
+@pytest.mark.parametrize("bad,arg", [
+    (dict(block_len=torch.full((3,), 64, dtype=torch.int64)), "block_len"),   # int32 expected
+    (dict(coarse_gate=torch.zeros(1, 130, 2, D, dtype=torch.float64)), "coarse_gate"),
+    (dict(tau="1.0"), "tau"),
+    (dict(sink_blocks=[0.5, 1]), "sink_blocks"),
+    (dict(key_bias=torch.zeros(130, dtype=torch.int32)), "key_bias"),
+], ids=["int64_block_len", "fp64_gate", "str_tau", "float_sinks", "int_key_bias"])
+def test_bad_arguments_raise_value_error_like_comfy_kitchens_backends(bad, arg, sdpa_calls):
+    """comfy-kitchen's backends raise ValueError for every bad argument (its CUDA entry turns
+    its shared call rule's failures into ValueError, wrong dtypes included) and its callers catch
+    ValueError; solattn itself raises TypeError for a wrong type."""
+    q, k, v = (torch.randn(1, 130, 2, D) for _ in range(3))
+    plugin.install(("cpu",))
+    impl = registry.get_implementation("sol_attn", backend=NAME)            # comfy-kitchen's handle
+    for fn in (plugin.sol_attn, impl):
+        with pytest.raises(ValueError, match=f"'{arg}'") as err:
+            fn(q, k, v, **bad)
+        assert not isinstance(err.value, TypeError) and "allowed" in str(err.value)
+    with pytest.raises(TypeError):                                           # solattn's own API is unchanged
+        solattn.sol_attn(q, k, v, **bad)
+    assert not sdpa_calls                                                    # refused before any work
+
+
+def test_set_backend_priority_drops_the_plugin_until_installed_again(sdpa_calls):
+    """comfy-kitchen's public set_backend_priority replaces the whole list, and the registry only
+    tries listed backends: the plug-in stays registered but is never chosen."""
+    q, k, v = (torch.randn(1, 200, 2, D) for _ in range(3))
+    original = list(registry._priority)
+    plugin.install(("cpu",))
+    try:
+        ck.set_backend_priority(["cuda", "eager"])
+        assert NAME in registry._backends and NAME not in registry._priority
+        assert registry.get_capable_backend("sol_attn", op_kwargs(q, k, v)) == "eager"
+        ck.sol_attn(q, k, v)
+        assert not sdpa_calls                                               # dropped, silently
+        plugin.install(("cpu",))                                            # the documented remedy
+        assert registry._priority == [NAME, "cuda", "eager"]
+        ck.sol_attn(q, k, v)
+        assert len(sdpa_calls) == 1
+    finally:
+        plugin.uninstall()
+        registry.set_priority(original)

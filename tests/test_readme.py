@@ -22,3 +22,28 @@ def test_doc_example_runs(doc, i, code):
     if "comfy_kitchen" in code:
         pytest.importorskip("comfy_kitchen")
     exec(compile(code, f"{doc.name}[{i}]", "exec"), {"__name__": "__main__"})
+
+
+# solattn is not on PyPI: `pip install solattn` / `solattn[extra]` (a bare name, not a path, a
+# wheel or `solattn @ git+...`) would fetch nothing, or someone else's package
+_PYPI_INSTALL = re.compile(r"pip install\s+(-U\s+|--upgrade\s+)?[\"']?solattn(\[[^\]]*\])?[\"']?(?!\s*@)(?=[\s`)\"',.;]|$)")
+
+
+def test_no_doc_or_message_installs_solattn_from_pypi():
+    files = DOCS + sorted((ROOT / "solattn").rglob("*.py"))
+    found = [f"{path.relative_to(ROOT)}: {m.group(0)!r}" for path in files
+             for m in _PYPI_INSTALL.finditer(path.read_text())]
+    # the one place that names the command says that it does not work
+    assert found == ["README.md: 'pip install solattn'"], found
+    readme = (ROOT / "README.md").read_text()
+    assert "not published on PyPI, so `pip install solattn` finds nothing" in readme
+    for form in ("pip install -e .", 'pip install "solattn @ git+', "pip wheel . --no-deps -w dist"):
+        assert form in readme, form
+
+
+def test_pypi_install_pattern():
+    for bad in ('pip install solattn', 'pip install "solattn[comfy]"', "`pip install solattn`."):
+        assert _PYPI_INSTALL.search(bad), bad
+    for good in ('pip install -e .', 'pip install "solattn @ git+https://x/solattn"', 'pip install /path/to/solattn',
+                 'pip install -e "/path/to/solattn[comfy]"', 'pip install solattn-0.1.0-py3-none-any.whl'):
+        assert not _PYPI_INSTALL.search(good), good

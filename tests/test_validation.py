@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import solattn
-from solattn.validation import validate
 from solattn.backends import reference as refmod
+from solattn.validation import validate
 
 
 def qkv(B=1, T=100, H=2, D=8, dtype=torch.float32):
@@ -97,3 +97,47 @@ def test_valid_edge_values_are_accepted():
     p = validate(Q, K, V, sink_blocks=(1, 9))
     assert p.sink_blocks == (1, 2)          # clipped to n
     assert validate(Q, K, V, sink_blocks=(4, 9)).sink_blocks is None
+
+
+def test_sdpa_layout_warns_once(monkeypatch):
+    """(B, H, T, D) passed where (B, T, H, D) is expected: hundreds of 'heads', fewer 'tokens'."""
+    import warnings
+
+    from solattn import validation
+    monkeypatch.setattr(validation, "_layout_warned", False)
+    B, H, T, D = 1, 2, 300, 8                                  # SDPA layout of a 2-head, 300-token call
+    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    with pytest.warns(UserWarning, match=r"\(B, H, T, D\)") as rec:
+        out = solattn.sol_attn(q, k, v, topk_ratio=0.5)
+    msg = str(rec[0].message)
+    assert "(1, 2, 300, 8)" in msg and "T=2" in msg and "H=300" in msg and "transpose(1, 2)" in msg
+    assert rec[0].filename == __file__                         # points at the caller's line
+    assert out.shape == q.shape                                # a warning, not an error: it still runs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                         # once per process
+        solattn.sol_attn(q, k, v, topk_ratio=0.5)
+
+
+@pytest.mark.parametrize("shape", [(1, 400, 300, 8),            # H > 256 but T >= H: a long sequence
+                                   (1, 2, 256, 8),              # H <= 256
+                                   (2, 64, 24, 8)])             # ordinary
+def test_plausible_layouts_do_not_warn(shape, monkeypatch):
+    import warnings
+
+    from solattn import validation
+    monkeypatch.setattr(validation, "_layout_warned", False)
+    q = torch.randn(*shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate(q, q, q)
+
+
+def test_sdpa_layout_warning_under_torch_compile(monkeypatch):
+    """fullgraph compilation still works (no warning while tracing); the op warns when it runs."""
+    from solattn import validation
+    monkeypatch.setattr(validation, "_layout_warned", False)
+    q = torch.randn(1, 2, 300, 8)
+    attend = torch.compile(lambda q: solattn.sol_attn(q, q, q, topk_ratio=0.5), fullgraph=True)
+    with pytest.warns(UserWarning, match="H=300"):
+        out = attend(q)
+    assert torch.allclose(out, solattn.sol_attn(q, q, q, topk_ratio=0.5, backend="reference"), atol=1e-5)

@@ -9,7 +9,8 @@ than CUDA and ROCm the only candidate is its ``eager`` reference, which forms th
 whole ``(B, H, T, T)`` score matrix and refuses once that matrix passes 4 GiB.
 
 :func:`install` registers *this module* with comfy-kitchen's registry as the backend
-``"xpu"`` (capability ``sol_attn`` only) and puts it at the front of the priority
+``"solattn"`` (capability ``sol_attn`` only; a name of its own, so it never collides with
+the ``xpu`` backend of Intel's comfy-kitchen fork) and puts it at the front of the priority
 list. Its :func:`sol_attn` has comfy-kitchen's signature and runs solattn's portable
 backend (:data:`SOLATTN_BACKEND`), which never materialises ``T x T``. Its constraints
 admit exactly what that backend runs: q/k/v bf16 / fp16 / fp32, 4-D, on the devices
@@ -45,7 +46,7 @@ from .. import dispatch, ops
 from ..validation import validate
 
 #: the name this plug-in takes in comfy-kitchen's registry
-BACKEND_NAME = "xpu"
+BACKEND_NAME = "solattn"
 #: the solattn backend that runs every call the plug-in accepts
 SOLATTN_BACKEND = "sdpa"
 #: device types the plug-in may be installed for
@@ -69,7 +70,16 @@ def sol_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: float = 1.0
              topk_ratio: float = 0.0, tail: bool = True, block_len: Optional[torch.Tensor] = None,
              coarse_gate: Optional[torch.Tensor] = None, token_aug: int = 0) -> torch.Tensor:
     """comfy-kitchen's ``sol_attn`` signature, computed by solattn's :data:`SOLATTN_BACKEND`
-    backend (SPEC.md semantics). ``(B, T, H, D)`` in, ``(B, T, H, D)`` contiguous out in v's dtype."""
+    backend (SPEC.md semantics). ``(B, T, H, D)`` in, ``(B, T, H, D)`` contiguous out in v's dtype.
+
+    A bad argument raises ``ValueError`` (solattn's message: the argument, the value, what is
+    allowed), never ``TypeError``: comfy-kitchen's backends raise ``ValueError`` for every bad
+    argument, wrong dtypes included, and its callers catch that."""
+    try:
+        validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
+                 coarse_gate, token_aug)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from exc
     return ops.sol_attn(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
                         block_len, coarse_gate, token_aug, backend=SOLATTN_BACKEND)
 
@@ -134,7 +144,7 @@ def _import_comfy_kitchen():
         raise ImportError(
             "solattn's comfy-kitchen plug-in needs the comfy-kitchen package, which cannot be "
             f"imported here ({exc}). Install it with `pip install comfy-kitchen` "
-            "(tested with 0.2.40; `pip install \"solattn[comfy]\"` does the same).") from exc
+            "(tested with 0.2.40; in a solattn checkout, `pip install -e \".[comfy]\"` does the same).") from exc
     missing = [name for name in _REGISTRY_TABLES if not hasattr(registry, name)]
     missing += [name for name in ("FunctionConstraints", "ParamConstraint", "ExactDims", "ValidationResult",
                                   "sol_attn_common_call_rule") if not hasattr(ck_constraints, name)]
@@ -203,12 +213,12 @@ def _check_devices(devices, arg: str = "devices") -> Tuple[str, ...]:
 
 
 def install(devices: Iterable[str] = ("xpu",), first: bool = True) -> Tuple[str, ...]:
-    """Register solattn as comfy-kitchen's ``"xpu"`` backend for ``sol_attn`` on ``devices``.
+    """Register solattn as comfy-kitchen's ``"solattn"`` backend for ``sol_attn`` on ``devices``.
 
     Args:
         devices: device types whose ``comfy_kitchen.sol_attn`` calls the plug-in takes,
             from ``("xpu", "cpu", "mps")`` (a single string is accepted too).
-        first: put ``"xpu"`` at the front of comfy-kitchen's priority list; otherwise just
+        first: put ``"solattn"`` at the front of comfy-kitchen's priority list; otherwise just
             before comfy-kitchen's ``eager`` reference (or last if there is none).
 
     Returns:
@@ -218,7 +228,12 @@ def install(devices: Iterable[str] = ("xpu",), first: bool = True) -> Tuple[str,
     ``devices`` or ``first`` it updates the registration in place. :func:`uninstall`
     always returns to the state before the first install. Raises ``ValueError`` for bad
     arguments, ``ImportError`` when comfy-kitchen is not installed, and ``RuntimeError``
-    when comfy-kitchen already has a backend of its own called ``"xpu"``.
+    when comfy-kitchen already has a backend of its own called ``"solattn"``.
+
+    comfy-kitchen's ``set_backend_priority`` replaces its whole priority list, and the
+    registry only ever tries backends on that list: a list that leaves out ``"solattn"``
+    turns the plug-in off while it stays registered. Call :func:`install` again afterwards
+    to put it back into the new list.
     """
     global _installed
     devices = _check_devices(devices)
@@ -252,7 +267,7 @@ def install(devices: Iterable[str] = ("xpu",), first: bool = True) -> Tuple[str,
 
 
 def uninstall() -> bool:
-    """Undo :func:`install`: comfy-kitchen's registry entries under ``"xpu"`` and its priority
+    """Undo :func:`install`: comfy-kitchen's registry entries under ``"solattn"`` and its priority
     list return to what they were before the first install. Returns False if not installed.
 
     If the priority list was changed by someone else since the install, their order is

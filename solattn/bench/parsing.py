@@ -1,0 +1,207 @@
+"""Command line of ``python -m solattn bench``: options, presets and the resolved :class:`Config`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, NoReturn, Sequence
+
+import torch
+
+from .. import dispatch
+from .models import Shape
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
+          "float32": torch.float32, "float": torch.float32}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+#: named problem sets (B, T, H, D)
+PRESETS: Dict[str, List[Shape]] = {
+    "cpu": [(1, 2048, 16, 128), (1, 4096, 16, 128), (1, 8192, 16, 128)],
+    "h3": [(1, 37296, 56, 128)],
+    "seed": [(2, 4056, 16, 128)],
+    "sweep": [(1, t, 24, 128) for t in (4096, 8192, 16384, 32768)],
+    "quick": [(1, 256, 2, 64), (1, 512, 2, 64)],
+}
+PRESETS["gpu"] = PRESETS["seed"] + PRESETS["sweep"] + PRESETS["h3"]
+
+#: the name of the dense SDPA row
+DENSE = "dense"
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the message names the option, the value and what is allowed."""
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``PROG: error: MESSAGE (PROG --help lists the options)``,
+    exit status 2, no usage block and never a traceback."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
+def present_devices() -> List[str]:
+    """Device names this torch can use here: ``cpu``, then ``cuda:i``, ``xpu:i``, ``mps``."""
+    devs = ["cpu"]
+    if torch.cuda.is_available():
+        devs += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        devs += [f"xpu:{i}" for i in range(xpu.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devs.append("mps")
+    return devs
+
+
+def parse_device(text: str, option: str = "--device") -> torch.device:
+    """A device name -> ``torch.device``, refused with :class:`UsageError` unless it is present here."""
+    present = present_devices()
+    allowed = f"a device present here: {', '.join(present)}"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise UsageError(f"{option} received {text!r}, which is not a torch device name; "
+                         f"allowed: {allowed}") from None
+    name = str(device)
+    if name in present or (device.index is None and any(d.split(":")[0] == device.type for d in present)) \
+            or (device.type == "mps" and "mps" in present and device.index in (None, 0)):
+        return device
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = (f"this torch ({torch.__version__}) was built without CUDA" if torch.version.cuda is None
+               and getattr(torch.version, "hip", None) is None else "no CUDA device is visible")
+    elif device.type in ("cuda", "xpu") and any(d.startswith(device.type) for d in present):
+        why = f"there is no {name}"
+    else:
+        why = f"{device.type} is not available here"
+    raise UsageError(f"{option} received {text!r}: {why}; allowed: {allowed}")
+
+
+def device_arg(text: str) -> torch.device:
+    """``type=`` for an argparse ``--device`` option: the full message reaches the user."""
+    try:
+        return parse_device(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("--device ", "", 1)) from None
+
+
+def parse_shapes(tokens: Sequence[str]) -> List[Shape]:
+    """``B,T,H,D`` tuples (``x`` also separates) and preset names -> unique shapes, in order."""
+    shapes: List[Shape] = []
+    for tok in tokens:
+        for part in tok.split():
+            if part.lower() in PRESETS:
+                shapes.extend(PRESETS[part.lower()])
+                continue
+            try:
+                dims = tuple(int(x) for x in part.replace("x", ",").split(","))
+            except ValueError:
+                dims = ()
+            if len(dims) != 4 or min(dims) < 1:
+                raise UsageError(
+                    f"--shapes received {part!r}; allowed: B,T,H,D (four positive ints) or a preset "
+                    f"({', '.join(sorted(PRESETS))})")
+            shapes.append(dims)  # type: ignore[arg-type]
+    return list(dict.fromkeys(shapes))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgParser(
+        prog="python -m solattn bench",
+        description="Time dense SDPA and every sol_attn backend that can run, on problems scaled to "
+                    "the device; print a table (time, speed-up over dense, peak memory, error, FLOP and "
+                    "byte models) and write CSV, Markdown and a PNG plot of time against T.",
+        epilog="Presets for --shapes: " + "; ".join(
+            f"{k}: " + " ".join(",".join(map(str, s)) for s in v) for k, v in PRESETS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", type=device_arg, help="torch device (default: best present, cuda > xpu > mps > cpu)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input dtype (default bf16)")
+    p.add_argument("--shapes", nargs="+", action="extend", metavar="B,T,H,D|PRESET",
+                   help="problems: B,T,H,D tuples and/or presets (default: 'cpu' on a CPU, 'gpu' elsewhere)")
+    p.add_argument("--ratios", nargs="+", type=float, metavar="R",
+                   help="top-k ratios, 0 < R < 1 (default 0.1 0.2)")
+    p.add_argument("--tail", action=argparse.BooleanOptionalAction, default=False,
+                   help="--tail adds rows with the pooled tail on (rows with it off are always run)")
+    p.add_argument("--coarse-gate", action="store_true", help="pass a random coarse_gate (VSA coarse branch)")
+    p.add_argument("--backends", nargs="+", metavar="NAME",
+                   help=f"restrict to these: '{DENSE}' and/or registered backend names "
+                        "(the reference is never timed; it is the error basis)")
+    p.add_argument("--repeats", type=int, help="timed calls per row, median reported "
+                                                "(default 3 on a CPU, 20 elsewhere, 2 with --quick)")
+    p.add_argument("--warmup", type=int, help="untimed calls first, >= 1; the last measures memory "
+                                               "and gives the output for the error (default 1 on a CPU, 3 elsewhere)")
+    p.add_argument("--out", help="output folder (default benchmarks/results/<device>-<date>-<time>)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny problems (preset 'quick', 2 repeats): a few seconds on a CPU, for CI")
+    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    return p
+
+
+@dataclass
+class Config:
+    device: torch.device
+    dtype: torch.dtype
+    shapes: List[Shape]
+    ratios: List[float]
+    tails: List[bool]
+    coarse: bool
+    backends: List[str]           # timed sparse backends requested (may be filtered per problem)
+    with_dense: bool
+    repeats: int
+    warmup: int
+    out: str
+    seed: int
+    plot: bool
+    #: "backend: why" -> the problems it was not run on
+    skipped: Dict[str, List[str]] = field(default_factory=dict)
+
+    def skip(self, what: str, tag: str) -> None:
+        self.skipped.setdefault(what, []).append(tag)
+
+    def skipped_lines(self) -> List[str]:
+        return [f"{what} ({len(tags)} problem(s): {', '.join(tags) if len(tags) <= 3 else tags[0] + ', ...'})"
+                for what, tags in self.skipped.items()]
+
+
+def resolve(args: argparse.Namespace) -> Config:
+    """The options -> a :class:`Config`; a bad value raises :class:`UsageError` before any work."""
+    device = args.device if args.device is not None else dispatch.best_device()
+    on_cpu = device.type == "cpu"
+    dtype = DTYPES[args.dtype]
+    if args.shapes:
+        shapes = parse_shapes(args.shapes)
+    else:
+        shapes = PRESETS["quick" if args.quick else ("cpu" if on_cpu else "gpu")]
+    ratios = args.ratios or [0.1, 0.2]
+    for r in ratios:
+        if not 0.0 < r < 1.0:
+            raise UsageError(f"--ratios received {r:g}; allowed: 0 < r < 1")
+    registered = [n for n in dispatch.registered() if n != "reference"]
+    # the device's priority order first, then the rest
+    order = [n for n in dispatch.priority(device.type) if n in registered]
+    order += [n for n in registered if n not in order]
+    with_dense = True
+    if args.backends:
+        wanted = [b.lower() for b in args.backends]
+        unknown = [b for b in wanted if b != DENSE and b not in registered]
+        if unknown:
+            raise UsageError(f"--backends received {', '.join(unknown)}; allowed: {DENSE}, " + ", ".join(registered)
+                             + " (the reference is the error basis, never timed)")
+        with_dense = DENSE in wanted
+        order = [n for n in order if n in wanted]
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else (3 if on_cpu else 20))
+    warmup = args.warmup if args.warmup is not None else (1 if on_cpu or args.quick else 3)
+    for option, value in (("--repeats", repeats), ("--warmup", warmup)):
+        if value < 1:
+            raise UsageError(f"{option} received {value}; allowed: an integer >= 1")
+    out = args.out or os.path.join(
+        "benchmarks", "results", f"{device.type}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    return Config(device=device, dtype=dtype, shapes=shapes, ratios=ratios,
+                  tails=[False, True] if args.tail else [False], coarse=args.coarse_gate,
+                  backends=order, with_dense=with_dense, repeats=repeats, warmup=warmup, out=out,
+                  seed=args.seed, plot=not args.no_plot)

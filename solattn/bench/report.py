@@ -1,0 +1,216 @@
+"""The report: the terminal table, ``bench.csv``, ``bench.md`` and ``bench.png``."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import platform
+from typing import Dict, List
+
+import torch
+
+from .models import model_text
+from .parsing import DENSE, DTYPE_NAMES, Config
+
+COLUMNS = ["backend", "device", "dtype", "B", "T", "H", "D", "ratio", "tail", "coarse_gate",
+           "time_ms", "plan_ms", "speedup", "peak_mib", "peak_basis", "rel_l2", "err_basis",
+           "kept_fraction", "gflop", "gb_moved", "gflops", "gbps", "repeats"]
+
+
+def _fmt(col: str, value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        if col in ("rel_l2",):
+            return f"{value:.2e}"
+        if col in ("ratio", "kept_fraction"):
+            return f"{value:.3g}"
+        if col == "speedup":
+            return f"{value:.2f}x"
+        if col in ("gflop", "gb_moved"):
+            return f"{value:.3g}"
+        if col in ("time_ms", "plan_ms", "peak_mib", "gflops", "gbps"):
+            return f"{value:.4g}" if value < 1000 else f"{value:.0f}"
+        return f"{value:.4g}"
+    return str(value)
+
+
+TABLE = [("backend", "backend"), ("shape BxTxHxD", None), ("ratio", "ratio"), ("tail", "tail"),
+         ("time ms", "time_ms"), ("plan ms", "plan_ms"), ("vs dense", "speedup"),
+         ("peak MiB", "peak_mib"), ("rel. L2", "rel_l2"), ("error basis", "err_basis"),
+         ("kept", "kept_fraction"), ("GFLOP", "gflop"), ("GB moved", "gb_moved"),
+         ("GFLOP/s", "gflops"), ("GB/s", "gbps")]
+
+
+def _tera(rows: List[dict]) -> bool:
+    """Show FLOP/s in TFLOP/s when some row reaches 1 TFLOP/s (GPUs), else GFLOP/s."""
+    return any((r.get("gflops") or 0) >= 1000 for r in rows)
+
+
+def table_head(rows: List[dict]) -> List[str]:
+    return [("TFLOP/s" if key == "gflops" and _tera(rows) else h) for h, key in TABLE]
+
+
+def table_cells(row: dict, tera: bool = False) -> List[str]:
+    cells = []
+    for _, key in TABLE:
+        if key is None:
+            cells.append(f"{row['B']}x{row['T']}x{row['H']}x{row['D']}")
+        elif key == "peak_mib" and row["peak_mib"] is not None:
+            cells.append(("≥" if row["peak_basis"] == "rss>=" else "") + _fmt(key, row[key]))
+        elif key == "gflops" and tera and row[key] is not None:
+            cells.append(f"{row[key] / 1000:.4g}")
+        else:
+            cells.append(_fmt(key, row[key]))
+    return cells
+
+
+#: what each table column means, printed under the terminal table and in bench.md
+LEGEND = [
+    ("time ms", "median time per call over the timed rounds; a sparse row is the whole sol_attn call, "
+                "routing plan included"),
+    ("plan ms", "the routing plan alone (build_plan), part of time ms"),
+    ("vs dense", "speed-up: dense time / this row's time, median over rounds (each round runs dense, "
+                 "then every backend, once)"),
+    ("peak MiB", "extra memory one call needed beyond what was held before it, output included; "
+                 "a leading ≥ marks CPU resident-set sampling, a lower bound; n/a: not measured on "
+                 "this device"),
+    ("rel. L2", "||out - basis|| / ||basis|| against the error basis named in the next column"),
+    ("error basis", "reference = the definition computed in fp32; sdpa-fp32 = the portable backend on "
+                    "fp32 copies (where the reference does not fit); \"(other op)\" on the dense row: "
+                    "dense attention is compared with the sparse operator, so its error is how much the "
+                    "sparsity changes the output, not an accuracy defect"),
+    ("kept", "fraction of (query block, key block) pairs attended exactly, forced neighbours and sinks "
+             "included"),
+    ("GFLOP, GB moved", "the two-number model: FLOPs on the kept blocks, modelled bytes (see bench.md)"),
+    ("GFLOP/s, GB/s", "those per second of time ms (TFLOP/s when a row reaches 1000 GFLOP/s)"),
+]
+
+
+def legend_lines(width: int = 100) -> List[str]:
+    """The column legend for the terminal, wrapped at word boundaries."""
+    import textwrap
+    key_w = max(len(k) for k, _ in LEGEND) + 2
+    lines = ["Columns:"]
+    for key, text in LEGEND:
+        body = textwrap.wrap(text, width=max(40, width - 2 - key_w), break_long_words=False,
+                             break_on_hyphens=False)
+        lines.append("  " + key.ljust(key_w) + body[0])
+        lines += ["  " + " " * key_w + more for more in body[1:]]
+    return lines
+
+
+def text_table(rows: List[dict]) -> str:
+    head = table_head(rows)
+    body = [table_cells(r, _tera(rows)) for r in rows]
+    widths = [max(len(head[i]), *(len(b[i]) for b in body)) if body else len(head[i]) for i in range(len(head))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
+
+
+def markdown_table(rows: List[dict]) -> str:
+    head = table_head(rows)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(table_cells(r, _tera(rows))) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_csv(rows: List[dict], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in COLUMNS})
+
+
+def environment(cfg: Config) -> Dict[str, str]:
+    dev = cfg.device
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    elif dev.type == "xpu":
+        name = torch.xpu.get_device_name(dev)
+    else:
+        name = platform.processor() or platform.machine()
+    env = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "device": f"{dev} ({name})",
+           "torch": torch.__version__, "python": platform.python_version(),
+           "cpu threads (torch)": str(torch.get_num_threads()), "cpu cores": str(os.cpu_count()),
+           "dtype": DTYPE_NAMES[cfg.dtype], "repeats": f"{cfg.warmup} warm-up + {cfg.repeats} timed (median)"}
+    env["solattn"] = _git_describe()
+    getloadavg = getattr(os, "getloadavg", None)   # absent on Windows
+    if getloadavg is not None:
+        try:
+            env["load average (1, 5, 15 min) at the end"] = ", ".join(f"{x:.2f}" for x in getloadavg())
+        except OSError:
+            pass
+    return env
+
+
+def _git_describe() -> str:
+    """The solattn source commit (and whether the tree differs from it), when run from a checkout."""
+    import subprocess
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the solattn package
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            raise OSError(head.stderr)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", here], cwd=here, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        from .. import __version__
+        return f"{__version__} (not a git checkout)"
+    return f"git {head.stdout.strip()}" + (" + uncommitted changes under solattn/" if dirty else "")
+
+
+def write_markdown(rows: List[dict], cfg: Config, path: str, plot_note: str) -> None:
+    lines = ["# solattn bench", ""]
+    lines += [f"- {k}: {v}" for k, v in environment(cfg).items()]
+    lines += ["", markdown_table(rows), ""]
+    lines += ["Columns:", ""] + [f"- `{key}`: {text}" for key, text in LEGEND] + [""]
+    if cfg.skipped:
+        lines += ["Not run:", ""] + [f"- {s}" for s in cfg.skipped_lines()] + [""]
+    if plot_note:
+        lines += [plot_note, ""]
+    lines += [model_text()]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_plot(rows: List[dict], path: str, cfg: Config) -> str:
+    """Time against T, log-log, one line per (backend, ratio, tail[, B/H/D]); returns a note."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)."
+    groups = sorted({(r["B"], r["H"], r["D"]) for r in rows})
+    lines: Dict[str, Dict[int, float]] = {}
+    for r in rows:
+        label = "dense SDPA" if r["backend"] == DENSE else \
+            f"{r['backend']} r={r['ratio']:g}" + (" tail" if r["tail"] else "")
+        if len(groups) > 1:
+            label += f" (B={r['B']},H={r['H']},D={r['D']})"
+        lines.setdefault(label, {})[r["T"]] = r["time_ms"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, pts in sorted(lines.items()):
+        ts = sorted(pts)
+        ax.plot(ts, [pts[t] for t in ts], marker="o", linestyle="--" if label.startswith("dense") else "-",
+                label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("T (tokens)")
+    ax.set_ylabel("time per call (ms, median)")
+    ax.set_title(f"solattn bench: {cfg.device.type}, {DTYPE_NAMES[cfg.dtype]}, top-k"
+                 + (", coarse gate" if cfg.coarse else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return ""
