@@ -23,7 +23,7 @@ import torch
 from . import dispatch
 from .backends.base import Backend
 from .ops import recompute_grads
-from .routing import build_vsa_plan, vsa_topk_from_sparsity
+from .routing import block_stats, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
 
 Grid = Tuple[int, int, int]
@@ -252,12 +252,13 @@ def _vsa_forward(q, k, v, grid, topk: int, gate, scale, backend: Optional[str], 
     tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
     problem = validate(tq, tk, tv, scale=scale, tail=False, block_len=layout.block_len)
     chosen = _plan_backend(problem, explicit)
-    plan, stats = build_vsa_plan(problem, topk, n_prefix)
+    plan = build_vsa_plan(problem, topk, n_prefix)
     out = chosen.forward(problem, plan).index_select(1, layout.slots)          # (B, T, H, D), v's dtype
     if gate is None:
         return out.contiguous()
 
     # coarse branch over the video cubes only (fp32), broadcast to their tokens
+    stats = block_stats(problem)
     qm, km, vm = (s[:, :, n_prefix:] for s in (stats.qm, stats.km, stats.vm))
     coarse = torch.softmax(problem.scale * (qm @ km.transpose(-1, -2)), dim=-1) @ vm   # (B, H, nv, D)
     coarse = coarse[:, :, layout.cube_of_token].permute(0, 2, 1, 3)                            # (B, N, H, D)
