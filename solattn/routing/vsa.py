@@ -31,12 +31,13 @@ from .stats import BlockStats, block_stats
 PREFIX_MODES = ("exempt", "compete")
 
 
-def vsa_topk_from_sparsity(sparsity: float, n: int) -> int:
-    """``clamp(ceil((1 - sparsity) n), 1, n)`` with ``sparsity`` read as the decimal it prints as."""
-    from fractions import Fraction
+def vsa_topk_from_sparsity(sparsity: float, n_video: int) -> int:
+    """``k_vid = max(1, min(ceil((1 - sparsity) * n_video), n_video))`` in Python floats.
 
-    exact = (1 - Fraction(repr(float(sparsity)))) * n
-    return min(max(math.ceil(exact), 1), n)
+    This is FastVideo's rule, rounding included: ``(1 - 0.7) * 10`` is ``3.0000000000000004``
+    in floats, so sparsity 0.7 keeps 4 of 10 video tiles (a VSA-trained model saw that count).
+    """
+    return max(1, min(math.ceil((1 - float(sparsity)) * n_video), n_video))
 
 
 def vsa_selector(stats: BlockStats, k_vid: int, num_prefix_blocks: int = 0, mode: str = "exempt",
