@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import solattn
+from solattn.routing import vsa_topk_from_sparsity
 
 
 def smooth_features(grid, heads, dim, length_scale, gain, generator):
@@ -84,7 +85,7 @@ def main():
         print(f"dense attention: {t_dense * 1e3:.1f} ms")
         print(f"{'sparsity':>8}  {'kept':>7}  {'rel_L2_err':>10}  {'time_ms':>8}  {'speed-up':>8}")
         for sparsity in (0.5, 0.8, 0.9):
-            topk = min(max(math.ceil(round((1 - sparsity) * n_cubes, 9)), 1), n_cubes)
+            topk = vsa_topk_from_sparsity(sparsity, n_cubes)          # FastVideo's count, in floats
             out, t_sparse = timed(lambda: solattn.video_sparse_attn(q, k, v, grid, sparsity=sparsity),
                                   args.repeats, device)
             err = float((out.double() - ref.double()).norm() / ref.double().norm())

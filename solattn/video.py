@@ -6,9 +6,11 @@ order; inside a cube the tokens keep raster order. Edge cubes of grids not divis
 cube are partial: their tokens occupy the front of the cube's 64-slot block, the remaining
 slots are dead (zero), and the live counts are the ``block_len`` table of SPEC.md.
 
-``video_sparse_attn`` tiles q, k, v, selects the top-k key cubes of every query cube by the
-pooled score (``solattn.routing.select_vsa``), runs the exact ("fine") stage through a backend
-that consumes the routing plan, adds the gated coarse branch and returns raw token order.
+``video_sparse_attn`` follows FastVideo's VSA-H3 backend: a packed sequence of prefix segments
+(text, audio, ...; each cut into its own 64-row tiles) and the video cubes is tiled, the plan
+selects key tiles per query tile (``solattn.routing.vsa``) and carries the coarse term, a
+backend that consumes the plan computes fine + gate * coarse, and the result returns in raw
+token order.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import dispatch
 from .backends.base import Backend
 from .ops import recompute_grads
-from .routing import build_vsa_plan, vsa_topk_from_sparsity
+from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
 
 Grid = Tuple[int, int, int]
@@ -89,20 +91,22 @@ class _Layout(NamedTuple):
     gather: torch.Tensor         # (rows,) int64: raw token of every tiled row (0 for dead rows)
     dead: Optional[torch.Tensor]  # (dead rows,) int64, or None when every row is live
     block_len: torch.Tensor      # (n,) int32 live rows per block
-    cube_of_token: torch.Tensor  # (t*h*w,) int64: cube (counted from the first cube) of each video token
     num_prefix_blocks: int
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(grid: Grid, cube: Grid, prefix_len: int, device: torch.device) -> _Layout:
-    """The tiled layout of ``prefix_len`` prefix tokens followed by a video grid: prefix blocks
-    first (the last one partial), then the cube blocks. Cached per arguments, so a model's
-    repeated calls pay for one gather per tensor and nothing else."""
+def _layout(grid: Grid, cube: Grid, segments: Tuple[int, ...], device: torch.device) -> _Layout:
+    """The tiled layout of prefix segments (lengths ``segments``, packed in that order) followed by
+    a video grid: each segment's own 64-row tiles (its last one partial), then the cube blocks.
+    Cached per arguments, so a model's repeated calls pay for one gather per tensor and nothing else."""
     video_slots, video_len = _cube_slots(grid, cube)
-    n_prefix = -(-prefix_len // BLOCK)
-    prefix_len_table = torch.clamp(prefix_len - torch.arange(n_prefix) * BLOCK, max=BLOCK).to(torch.int32)
-    slots = torch.cat([torch.arange(prefix_len), video_slots + n_prefix * BLOCK])
-    block_len = torch.cat([prefix_len_table, video_len])
+    prefix_slots, prefix_lens, tile = [], [], 0
+    for length in segments:                         # a segment's row r sits in row r of its tiles
+        prefix_slots.append(torch.arange(length) + tile * BLOCK)
+        prefix_lens += [min(BLOCK, length - BLOCK * j) for j in range(-(-length // BLOCK))]
+        tile += -(-length // BLOCK)
+    slots = torch.cat(prefix_slots + [video_slots + tile * BLOCK])
+    block_len = torch.cat([torch.tensor(prefix_lens, dtype=torch.int32), video_len])
     rows = block_len.shape[0] * BLOCK
     gather = torch.zeros(rows, dtype=torch.int64)
     gather[slots] = torch.arange(slots.shape[0])
@@ -111,7 +115,7 @@ def _layout(grid: Grid, cube: Grid, prefix_len: int, device: torch.device) -> _L
     dead = torch.nonzero(~live).squeeze(1)
     return _Layout(slots=slots.to(device), gather=gather.to(device),
                    dead=dead.to(device) if dead.numel() else None, block_len=block_len.to(device),
-                   cube_of_token=(video_slots // BLOCK).to(device), num_prefix_blocks=n_prefix)
+                   num_prefix_blocks=tile)
 
 
 def _to_tiled(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -143,7 +147,7 @@ def tile(x: torch.Tensor, grid, cube=DEFAULT_CUBE) -> Tuple[torch.Tensor, torch.
     """
     grid, cube = _check_grid_cube("tile", grid, cube)
     _check_tokens("tile", "x", x, math.prod(grid), f"t*h*w for grid={grid}")
-    layout = _layout(grid, cube, 0, x.device)
+    layout = _layout(grid, cube, (), x.device)
     return _to_tiled(x, layout), layout.block_len
 
 
@@ -155,7 +159,7 @@ def untile(y: torch.Tensor, grid, cube=DEFAULT_CUBE) -> torch.Tensor:
     grid, cube = _check_grid_cube("untile", grid, cube)
     rows = num_cubes(grid, cube) * BLOCK
     _check_tokens("untile", "y", y, rows, f"64 x {rows // BLOCK} cubes for grid={grid}, cube={cube}")
-    return y.index_select(1, _layout(grid, cube, 0, y.device).slots)
+    return y.index_select(1, _layout(grid, cube, (), y.device).slots)
 
 
 def _explicit_backend(requested: Optional[str]) -> Optional[Backend]:
@@ -186,37 +190,44 @@ def _plan_backend(problem: Problem, explicit: Optional[Backend]) -> Backend:
 
 def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,
                       sparsity: Optional[float] = None, topk: Optional[int] = None,
-                      gate: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                      backend: Optional[str] = None, prefix_len: int = 0) -> torch.Tensor:
-    """Video sparse attention (SPEC.md, "VSA entry point") in the model's raw token order.
+                      gate: Union[torch.Tensor, float, None] = None, scale: Optional[float] = None,
+                      backend: Optional[str] = None, prefix_len: Union[int, Sequence[int]] = 0,
+                      prefix_mode: str = "exempt") -> torch.Tensor:
+    """Video sparse attention with FastVideo's VSA-H3 semantics (SPEC.md, "VSA entry point"),
+    in the model's raw (packed) token order.
 
     Args:
-        q, k, v: ``(B, prefix_len + t*h*w, H, D)``, bf16 / fp16 / fp32, one shape, dtype and device.
-            The first ``prefix_len`` tokens are a prefix (text, audio, ...), the rest the video
-            latent in raster order (t slowest).
+        q, k, v: ``(B, P + t*h*w, H, D)``, bf16 / fp16 / fp32, one shape, dtype and device. The
+            first ``P = sum(prefix_len)`` tokens are prefix segments (text, audio, ...) in packed
+            order, the rest the video latent in raster order (t slowest).
         grid: ``(t, h, w)`` of the video latent.
-        sparsity: fraction of key cubes skipped; ``topk = clamp(ceil((1 - sparsity) n), 1, n)``
-            with ``n`` the number of video cubes, ``0 <= sparsity <= 1``; the float is read as the
-            decimal it prints as (``0.95`` is 95/100 exactly). Give exactly one of sparsity, topk.
-        topk: key cubes kept per query cube, ``>= 1`` (values above ``n`` keep every cube).
-        gate: the model's coarse gate (used as is, no sigmoid), shape of q, or of the video part
-            ``(B, t*h*w, H, D)``; adds ``gate * coarse`` to the video tokens. Prefix rows of a
-            full-shape gate are ignored.
+        sparsity: ``k_vid = max(1, min(ceil((1 - sparsity) * n_video), n_video))`` video tiles
+            kept per query tile, evaluated in Python floats as FastVideo does (``0 <= sparsity <= 1``;
+            ``n_video`` = number of video cubes). Give exactly one of sparsity, topk.
+        topk: ``k_vid`` directly, ``>= 1`` (values above ``n_video`` keep every tile).
+        gate: the coarse branch's gate, used as is (no sigmoid). ``None``: no coarse branch
+            (fine attention only, as FastVideo's H3 backend without a gate). A tensor of q's shape
+            (``to_gate_compress`` output), or of the video part ``(B, t*h*w, H, D)`` (prefix rows
+            then get gate 0). A Python number: that constant gate on every row; ``gate=1.0`` is
+            FastVideo's kernel-level convention (coarse + fine when no gate is given).
         scale: logit scale, default ``D ** -0.5``.
         backend: force a backend by name; only backends that consume routing plans qualify.
-        prefix_len: number of prefix tokens, ``>= 0``.
+        prefix_len: an int (one prefix segment) or a sequence of segment lengths in packed order,
+            each ``>= 0`` (empty segments are dropped). Each segment gets its own zero-padded
+            64-row tiles.
+        prefix_mode: ``"exempt"`` (default): every prefix key tile is kept on top of the ``k_vid``
+            best video tiles; ``"compete"``: the ``min(k_vid + n_prefix_tiles, n)`` best tiles of
+            the whole row.
 
-    Selection: each query cube keeps the key cubes with the ``topk`` largest ``qm_i . km_j``
-    (block means of q and k, uncentred, unscaled; ties at the boundary are all kept), with no
-    forced neighbours and no tail. Prefix tokens are attended exactly by every query, and prefix
-    queries attend every token exactly (dense). The coarse branch covers video cubes only:
-    ``coarse_i = sum_j softmax_j(scale qm_i . km_j) vm_j`` over the video cubes ``j``, added as
-    ``gate_t * coarse_i`` to each video token ``t`` of cube ``i`` after the fine output is cast
-    to v's dtype; prefix rows get no coarse term.
+    Selection ranks ``S = scale * qm km^T`` (fp32 means over live rows, uncentred) per query
+    tile; ties at the boundary are all kept. Prefix query tiles attend every tile; with
+    ``k_vid == n_video`` every tile attends every tile (dense). No forced neighbours, no tail.
+    Coarse branch (with a gate): ``softmax_j(S[i, j]) vm_j`` over all tiles, prefix included,
+    added as ``gate_t * coarse_i`` to every row t of tile i, prefix rows too.
 
     Returns:
-        ``(B, prefix_len + t*h*w, H, D)`` contiguous, v's dtype. Differentiable in q, k, v, gate
-        when the chosen backend supports autograd (the selection is treated as constant).
+        ``(B, P + t*h*w, H, D)`` contiguous, v's dtype. Differentiable in q, k, v and a tensor
+        gate when the chosen backend supports autograd (the selection is treated as constant).
     """
     fn = "video_sparse_attn"
     try:
@@ -224,82 +235,85 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     except (TypeError, ValueError) as err:  # same checks as sol_attn, named after this function
         raise type(err)(str(err).replace("sol_attn:", f"{fn}:", 1)) from None
     grid, cube = _check_grid_cube(fn, grid, DEFAULT_CUBE)
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, numbers.Integral):
-        _fail(fn, "prefix_len", repr(prefix_len), "an int >= 0", TypeError)
-    prefix_len = int(prefix_len)
-    if prefix_len < 0:
-        _fail(fn, "prefix_len", repr(prefix_len), "an int >= 0")
+    segments = _check_segments(fn, prefix_len)
+    if not isinstance(prefix_mode, str):
+        _fail(fn, "prefix_mode", repr(prefix_mode), f"one of {PREFIX_MODES}", TypeError)
+    if prefix_mode not in PREFIX_MODES:
+        _fail(fn, "prefix_mode", repr(prefix_mode), f"one of {PREFIX_MODES}")
+    P = sum(segments)
     n_video_tokens = math.prod(grid)
     B, T, H, D = q.shape
-    if T != prefix_len + n_video_tokens:
+    if T != P + n_video_tokens:
         _fail(fn, "q", f"a tensor of shape {tuple(q.shape)}",
-              f"T = prefix_len + t*h*w = {prefix_len} + {n_video_tokens} = {prefix_len + n_video_tokens} "
-              f"tokens on dim 1 for grid={grid}, prefix_len={prefix_len}")
+              f"T = prefix + t*h*w = {P} + {n_video_tokens} = {P + n_video_tokens} "
+              f"tokens on dim 1 for grid={grid}, prefix_len={prefix_len!r}")
     n_video = num_cubes(grid, cube)
-    topk = _resolve_topk(fn, sparsity, topk, n_video)
-    gate = _check_gate(fn, gate, q, prefix_len, n_video_tokens)
+    k_vid = _resolve_topk(fn, sparsity, topk, n_video)
+    gate = _check_gate(fn, gate, q, P, n_video_tokens)
     _explicit_backend(backend)                      # a backend that cannot serve VSA: refuse now
-    return _vsa_op(q, k, v, list(grid), int(topk), gate, None if scale is None else float(scale),
-                   backend or "", prefix_len)
+    return _vsa_op(q, k, v, list(grid), int(k_vid), gate, None if scale is None else float(scale),
+                   backend or "", list(segments), prefix_mode)
 
 
-def _vsa_forward(q, k, v, grid, topk: int, gate, scale, backend: Optional[str], prefix_len: int):
-    """The computation behind ``video_sparse_attn`` (validated arguments; ``gate``: video rows)."""
-    grid, cube = tuple(grid), DEFAULT_CUBE
+def _vsa_forward(q, k, v, grid, k_vid: int, gate, scale, backend: Optional[str], segments, mode: str):
+    """The computation behind ``video_sparse_attn`` (validated arguments; ``gate``: None, a 0-dim
+    tensor (a constant gate) or a tensor of q's shape)."""
     explicit = _explicit_backend(backend)
-    layout = _layout(grid, cube, prefix_len, q.device)
-    n_prefix = layout.num_prefix_blocks
+    layout = _layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
     tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
-    problem = validate(tq, tk, tv, scale=scale, tail=False, block_len=layout.block_len)
+    tg = None
+    if gate is not None:                            # the backend applies plan.coarse with it
+        tg = gate.expand(tq.shape) if gate.dim() == 0 else _to_tiled(gate, layout)
+    problem = validate(tq, tk, tv, scale=scale, tail=False, block_len=layout.block_len, coarse_gate=tg)
     chosen = _plan_backend(problem, explicit)
-    plan, stats = build_vsa_plan(problem, topk, n_prefix)
-    out = chosen.forward(problem, plan).index_select(1, layout.slots)          # (B, T, H, D), v's dtype
-    if gate is None:
-        return out.contiguous()
-
-    # coarse branch over the video cubes only (fp32), broadcast to their tokens
-    qm, km, vm = (s[:, :, n_prefix:] for s in (stats.qm, stats.km, stats.vm))
-    coarse = torch.softmax(problem.scale * (qm @ km.transpose(-1, -2)), dim=-1) @ vm   # (B, H, nv, D)
-    coarse = coarse[:, :, layout.cube_of_token].permute(0, 2, 1, 3)                            # (B, N, H, D)
-    video = out[:, prefix_len:] + (gate.to(torch.float32) * coarse).to(out.dtype)
-    if prefix_len:
-        return torch.cat([out[:, :prefix_len], video], dim=1)
-    return video.contiguous()
+    plan = build_vsa_plan(problem, k_vid, layout.num_prefix_blocks, mode)
+    return chosen.forward(problem, plan).index_select(1, layout.slots)    # (B, T, H, D), v's dtype
 
 
 # ``video_sparse_attn`` is the torch.library custom op ``solattn::video_sparse_attn``: the routing
 # plan has data-dependent sizes, so torch.compile must see one opaque node (fake implementation
 # below). Autograd recomputes the forward through a differentiable backend, as for ``sol_attn``.
 @torch.library.custom_op("solattn::video_sparse_attn", mutates_args=())
-def _vsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: List[int], topk: int,
+def _vsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: List[int], k_vid: int,
             gate: Optional[torch.Tensor], scale: Optional[float], backend: str,
-            prefix_len: int) -> torch.Tensor:
+            segments: List[int], mode: str) -> torch.Tensor:
     with torch.no_grad():
-        return _vsa_forward(q, k, v, grid, topk, gate, scale, backend or None, prefix_len)
+        return _vsa_forward(q, k, v, grid, k_vid, gate, scale, backend or None, segments, mode)
 
 
 @_vsa_op.register_fake
-def _(q, k, v, grid, topk, gate, scale, backend, prefix_len):
+def _(q, k, v, grid, k_vid, gate, scale, backend, segments, mode):
     return torch.empty(q.shape, dtype=v.dtype, device=v.device)
 
 
 def _vsa_setup_context(ctx, inputs, output):
-    q, k, v, grid, topk, gate, scale, backend, prefix_len = inputs
+    q, k, v, grid, k_vid, gate, scale, backend, segments, mode = inputs
     ctx.save_for_backward(q, k, v, gate)
-    ctx.args = (grid, topk, scale, backend, prefix_len)
+    ctx.args = (grid, k_vid, scale, backend, segments, mode)
 
 
 def _vsa_backward(ctx, grad_out):
-    grid, topk, scale, backend, prefix_len = ctx.args
+    grid, k_vid, scale, backend, segments, mode = ctx.args
 
     def forward(leaves, name):
-        return _vsa_forward(*leaves[:3], grid, topk, leaves[3], scale, name, prefix_len)
+        return _vsa_forward(*leaves[:3], grid, k_vid, leaves[3], scale, name, segments, mode)
 
     gq, gk, gv, gg = recompute_grads(forward, ctx.saved_tensors, grad_out, backend or None)
-    return gq, gk, gv, None, None, gg, None, None, None
+    return gq, gk, gv, None, None, gg, None, None, None, None
 
 
 _vsa_op.register_autograd(_vsa_backward, setup_context=_vsa_setup_context)
+
+
+def _check_segments(fn: str, prefix_len) -> Tuple[int, ...]:
+    """``prefix_len`` -> the tuple of non-empty segment lengths."""
+    allowed = "an int >= 0 or a sequence of ints >= 0 (prefix segment lengths in packed order)"
+    values = list(prefix_len) if isinstance(prefix_len, (list, tuple)) else [prefix_len]
+    if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in values):
+        _fail(fn, "prefix_len", repr(prefix_len), allowed, TypeError)
+    if any(x < 0 for x in values):
+        _fail(fn, "prefix_len", repr(prefix_len), allowed)
+    return tuple(int(x) for x in values if x > 0)
 
 
 def _resolve_topk(fn: str, sparsity, topk, n_video: int) -> int:
@@ -321,13 +335,18 @@ def _resolve_topk(fn: str, sparsity, topk, n_video: int) -> int:
 
 
 def _check_gate(fn: str, gate, q: torch.Tensor, prefix_len: int, n_video_tokens: int):
-    """The gate's video rows ``(B, t*h*w, H, D)``, or None."""
+    """None, a 0-dim fp32 tensor (a constant gate) or a tensor of q's shape (prefix rows of a
+    video-shaped gate filled with 0)."""
     if gate is None:
         return None
     B, T, H, D = q.shape
     video_shape = (B, n_video_tokens, H, D)
-    allowed = (f"None or a float tensor (bf16, fp16 or fp32) of q's shape {tuple(q.shape)} or of the "
-               f"video part's shape {video_shape}, on {q.device}")
+    allowed = (f"None, a real number (a constant gate) or a float tensor (bf16, fp16 or fp32) of q's "
+               f"shape {tuple(q.shape)} or of the video part's shape {video_shape}, on {q.device}")
+    if isinstance(gate, numbers.Real) and not isinstance(gate, bool):
+        if not math.isfinite(float(gate)):
+            _fail(fn, "gate", repr(gate), allowed)
+        return torch.tensor(float(gate), dtype=torch.float32, device=q.device)
     if not isinstance(gate, torch.Tensor):
         _fail(fn, "gate", type(gate).__name__, allowed, TypeError)
     desc = f"a tensor of shape {tuple(gate.shape)}, dtype {gate.dtype}, device {gate.device}"
@@ -335,4 +354,6 @@ def _check_gate(fn: str, gate, q: torch.Tensor, prefix_len: int, n_video_tokens:
         _fail(fn, "gate", desc, allowed, TypeError)
     if gate.device != q.device or tuple(gate.shape) not in (tuple(q.shape), video_shape):
         _fail(fn, "gate", desc, allowed)
-    return gate[:, prefix_len:] if tuple(gate.shape) == tuple(q.shape) else gate
+    if tuple(gate.shape) == tuple(q.shape) or prefix_len == 0:
+        return gate
+    return torch.cat([gate.new_zeros(B, prefix_len, H, D), gate], dim=1)

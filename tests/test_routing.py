@@ -118,3 +118,38 @@ def test_plans_share_no_cached_tensor():
     first.block_len[0] = 1                      # a caller scribbling on its plan
     second = routing.build_plan(p)
     assert second.block_len.tolist() == [64, 64, 64, 8]
+
+
+PLAN_MEMORY_SCRIPT = """
+import json, resource, sys, torch, solattn
+from solattn import routing
+def rss():  # peak resident set size of this process, bytes (Linux reports KiB)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+budget = int(sys.argv[1])
+B, T, H, D = 1, 131072, 4, 64
+g = torch.Generator().manual_seed(0)
+q, k, v, gate = (torch.randn(B, T, H, D, generator=g).to(torch.bfloat16) for _ in range(4))
+small = solattn.validate(q[:, :4096], k[:, :4096], v[:, :4096], topk_ratio=0.01, coarse_gate=gate[:, :4096])
+routing.build_plan(small)                                   # warm the libraries
+before = rss()
+with solattn.memory_budget(budget):
+    plan = routing.build_plan(solattn.validate(q, k, v, topk_ratio=0.01, coarse_gate=gate))
+print(json.dumps({"working": rss() - before, "M": plan.kv_indices.shape[-1],
+                  "finite": bool(torch.isfinite(plan.coarse).all() and torch.isfinite(plan.tail_value).all())}))
+"""
+
+
+def test_plan_working_memory_stays_within_the_budget():
+    # n = 2048 blocks, 4 heads: a (B, H, n, n) fp32 score tensor alone is 64 MiB, and the int64
+    # and bool temporaries of an unchunked plan several times that
+    import json
+    import subprocess
+    import sys
+    budget = 16 << 20
+    res = subprocess.run([sys.executable, "-c", PLAN_MEMORY_SCRIPT, str(budget)], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["finite"] and info["M"] < 40, info
+    # the budget, plus the plan's own outputs and block means (~14 MiB) and allocator slack
+    assert info["working"] < budget + (32 << 20), info

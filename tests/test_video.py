@@ -1,9 +1,12 @@
-"""VSA entry point (solattn.video) against an independent, plainly written per-cube oracle.
+"""VSA entry point (solattn.video) against an independent, plainly written float64 oracle.
 
-The oracle below (``oracle_*``) implements SPEC.md's "VSA entry point" and docs/video.md in
-float64 with its own tiling loops over t, h, w, its own top-k by sorting, and a dense softmax per
-query cube over the selected cubes' live tokens. It imports nothing from solattn.routing or
-solattn.video.
+The oracle below (``oracle_*``) implements FastVideo's VSA-H3 semantics as SPEC.md's "VSA entry
+point" states them, in float64, with its own tiling loops (prefix segments, then cubes over t,
+h, w), its own ranking by sorting Python lists, and a dense softmax per query tile over the
+selected tiles' live tokens. It imports nothing from solattn.routing or solattn.video.
+
+Every plan-consuming backend that runs on the CPU is tested: ``sdpa``, and ``triton`` through
+Triton's interpreter (TRITON_INTERPRET=1, as tests/test_triton_backend.py runs it).
 """
 
 from __future__ import annotations
@@ -28,13 +31,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # --------------------------------------------------------------------------- the oracle
 
-def oracle_blocks(grid, prefix_len=0, cube=(4, 4, 4)):
-    """Raw token indices of every block: prefix blocks of 64 first, then the cubes in t, h, w
-    order, each cube's tokens in raster order. Returns ``(blocks, number_of_prefix_blocks)``."""
+def oracle_blocks(grid, segments=(), cube=(4, 4, 4)):
+    """Raw token indices of every tile: each prefix segment's 64-token tiles (in packed order),
+    then the cubes in t, h, w order, each cube's tokens in raster order.
+    Returns ``(tiles, number_of_prefix_tiles)``."""
     t, h, w = grid
     ct, ch, cw = cube
-    blocks = [list(range(s, min(s + 64, prefix_len))) for s in range(0, prefix_len, 64)]
-    n_prefix = len(blocks)
+    tiles, start = [], 0
+    for length in segments:
+        tiles += [list(range(s, min(s + 64, start + length))) for s in range(start, start + length, 64)]
+        start += length
+    n_prefix = len(tiles)
     for t0 in range(0, t, ct):
         for h0 in range(0, h, ch):
             for w0 in range(0, w, cw):
@@ -42,13 +49,13 @@ def oracle_blocks(grid, prefix_len=0, cube=(4, 4, 4)):
                 for tt in range(t0, min(t0 + ct, t)):
                     for hh in range(h0, min(h0 + ch, h)):
                         for ww in range(w0, min(w0 + cw, w)):
-                            tokens.append(prefix_len + (tt * h + hh) * w + ww)
-                blocks.append(tokens)
-    return blocks, n_prefix
+                            tokens.append(start + (tt * h + hh) * w + ww)
+                tiles.append(tokens)
+    return tiles, n_prefix
 
 
 def oracle_tile(x, grid, cube=(4, 4, 4)):
-    blocks, _ = oracle_blocks(grid, 0, cube)
+    blocks, _ = oracle_blocks(grid, (), cube)
     out = torch.zeros((x.shape[0], 64 * len(blocks)) + tuple(x.shape[2:]), dtype=x.dtype)
     for j, tokens in enumerate(blocks):
         for r, tok in enumerate(tokens):
@@ -56,90 +63,113 @@ def oracle_tile(x, grid, cube=(4, 4, 4)):
     return out, [len(tokens) for tokens in blocks]
 
 
-def oracle_vsa(q, k, v, grid, topk, gate=None, scale=None, prefix_len=0):
-    """VSA in float64. Returns ``(out, gap)``: ``gap`` is the smallest distance between a row's
-    k-th largest cube score and the best unselected score (how unambiguous the selection is)."""
-    q, k, v = (x.detach().double() if not x.requires_grad else x.double() for x in (q, k, v))
-    gate = None if gate is None else gate.double()
+def oracle_k_vid(sparsity, n_video):
+    """FastVideo's count, in Python floats."""
+    return max(1, min(math.ceil((1 - sparsity) * n_video), n_video))
+
+
+def oracle_selection(S, n_prefix, k_vid, mode):
+    """Per query tile, the list of kept key tiles, and the smallest gap between a row's threshold
+    and its best unkept competitor (how unambiguous the selection is). ``S``: (n, n) float64."""
+    n = S.shape[0]
+    n_video = n - n_prefix
+    kept, gap = [], math.inf
+    for i in range(n):
+        row = S[i].tolist()
+        if i < n_prefix or k_vid == n_video:
+            kept.append(list(range(n)))
+            continue
+        if mode == "exempt" or n_prefix == 0:
+            pool, kk, always = list(range(n_prefix, n)), k_vid, list(range(n_prefix))
+        else:
+            pool, kk, always = list(range(n)), min(k_vid + n_prefix, n), []
+        threshold = sorted((row[j] for j in pool), reverse=True)[kk - 1]
+        chosen = [j for j in pool if row[j] >= threshold]
+        others = [row[j] for j in pool if row[j] < threshold]
+        if others:
+            gap = min(gap, threshold - max(others))
+        kept.append(sorted(always + chosen))
+    return kept, gap
+
+
+def oracle_vsa(q, k, v, grid, k_vid, gate=None, scale=None, segments=(), mode="exempt"):
+    """VSA-H3 in float64 (autograd flows when the inputs require grad). Returns ``(out, gap)``."""
+    q, k, v = (x.double() for x in (q, k, v))
+    if isinstance(gate, torch.Tensor):
+        gate = gate.double()
     B, T, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
-    blocks, n_prefix = oracle_blocks(grid, prefix_len)
-    cubes = [torch.tensor(tokens) for tokens in blocks[n_prefix:]]
-    prefix = torch.arange(prefix_len)
-    everything = torch.arange(T)
+    tiles, n_prefix = oracle_blocks(grid, segments)
+    index = [torch.tensor(t) for t in tiles]
     gap = math.inf
     rows = {}
     for b in range(B):
         for h in range(H):
-            qm = torch.stack([q[b, c, h].mean(0) for c in cubes])
-            km = torch.stack([k[b, c, h].mean(0) for c in cubes])
-            vm = torch.stack([v[b, c, h].mean(0) for c in cubes])
-            for i, cube in enumerate(cubes):
-                scores = [float((qm[i] @ km[j]).detach()) for j in range(len(cubes))]
-                ranked = sorted(scores, reverse=True)
-                threshold = ranked[topk - 1]
-                chosen = [j for j, s in enumerate(scores) if s >= threshold]
-                others = [s for s in scores if s < threshold]
-                if others:
-                    gap = min(gap, threshold - max(others))
-                keys = torch.cat([prefix] + [cubes[j] for j in chosen])
-                logits = scale * q[b, cube, h] @ k[b, keys, h].T
-                row = torch.softmax(logits, dim=-1) @ v[b, keys, h]
+            qm = torch.stack([q[b, t, h].mean(0) for t in index])
+            km = torch.stack([k[b, t, h].mean(0) for t in index])
+            vm = torch.stack([v[b, t, h].mean(0) for t in index])
+            S = scale * qm @ km.T
+            kept, g = oracle_selection(S.detach(), n_prefix, k_vid, mode)
+            gap = min(gap, g)
+            for i, tile in enumerate(index):
+                keys = torch.cat([index[j] for j in kept[i]])
+                row = torch.softmax(scale * q[b, tile, h] @ k[b, keys, h].T, dim=-1) @ v[b, keys, h]
                 if gate is not None:
-                    a = torch.softmax(scale * (km @ qm[i]), dim=0)
-                    row = row + gate[b, cube, h] * (a @ vm)
-                rows[b, h, cube] = row
-            if prefix_len:   # prefix queries attend every token
-                logits = scale * q[b, prefix, h] @ k[b, everything, h].T
-                rows[b, h, prefix] = torch.softmax(logits, dim=-1) @ v[b, everything, h]
+                    coarse = torch.softmax(S[i], dim=0) @ vm
+                    row = row + (gate[b, tile, h] if isinstance(gate, torch.Tensor) else gate) * coarse
+                rows[b, h, i] = (tile, row)
     out = torch.zeros(B, T, H, D, dtype=torch.float64)
-    for (b, h, idx), row in rows.items():
-        out[b, idx, h] = row
+    for (b, h, _), (tile, row) in rows.items():
+        out[b, tile, h] = row
     return out, gap
-
-
-def oracle_coarse(q, k, v, grid, scale, prefix_len=0):
-    """``(B, t*h*w, H, D)``: each video token's cube coarse value ``softmax_j(scale qm.km_j) vm_j``."""
-    q, k, v = (x.double() for x in (q, k, v))
-    B, T, H, D = q.shape
-    blocks, n_prefix = oracle_blocks(grid, prefix_len)
-    cubes = [torch.tensor(tokens) for tokens in blocks[n_prefix:]]
-    out = torch.zeros(B, T, H, D, dtype=torch.float64)
-    for b in range(B):
-        for h in range(H):
-            qm = torch.stack([q[b, c, h].mean(0) for c in cubes])
-            km = torch.stack([k[b, c, h].mean(0) for c in cubes])
-            vm = torch.stack([v[b, c, h].mean(0) for c in cubes])
-            coarse = torch.softmax(scale * qm @ km.T, dim=-1) @ vm
-            for i, c in enumerate(cubes):
-                out[b, c, h] = coarse[i]
-    return out[:, prefix_len:]
 
 
 # --------------------------------------------------------------------------- helpers
 
+def _triton_interpretable():
+    try:
+        import triton
+    except ImportError:
+        return False
+    return tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9)
+
+
 def plan_backends():
-    """Registered backends that consume routing plans and run on the CPU here."""
+    """Plan-consuming backends that run on the CPU here (triton through its interpreter)."""
     names = []
     for name in dispatch.registered():
         b = dispatch.get_backend(name)
-        if b.uses_plan and not b.availability_reasons("cpu"):
+        if not b.uses_plan:
+            continue
+        if name == "triton" and _triton_interpretable():
+            names.append(name)
+        elif not b.availability_reasons("cpu"):
             names.append(name)
     return names
 
 
 PLAN_BACKENDS = plan_backends()
-needs_backend = pytest.mark.skipif(not PLAN_BACKENDS, reason="no plan-consuming backend runs on the CPU")
+needs_backend = pytest.mark.skipif("sdpa" not in PLAN_BACKENDS, reason="the sdpa backend is not registered")
 
 
-def make_inputs(grid, B=1, H=2, D=16, prefix_len=0, dtype=torch.float32, seed=0, gate=False):
-    """Random q, k, v (and gate) with a per-cube offset on q and k so that cube scores are well
+@pytest.fixture
+def on_backend(monkeypatch):
+    """Prepare the environment a backend needs on the CPU and return its name."""
+    def prepare(name):
+        if name == "triton":
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        return name
+    return prepare
+
+
+def make_inputs(grid, B=1, H=2, D=16, segments=(), dtype=torch.float32, seed=0, gate=False):
+    """Random q, k, v (and gate) with a per-tile offset on q and k so that tile scores are well
     separated (routing is unambiguous in fp32 and bf16)."""
     g = torch.Generator().manual_seed(seed)
-    T = prefix_len + math.prod(grid)
+    T = sum(segments) + math.prod(grid)
     q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
-    blocks, n_prefix = oracle_blocks(grid, prefix_len)
-    for tokens in blocks[n_prefix:]:
+    tiles, _ = oracle_blocks(grid, segments)
+    for tokens in tiles:
         q[:, tokens] += 1.5 * torch.randn(B, 1, H, D, generator=g)
         k[:, tokens] += 1.5 * torch.randn(B, 1, H, D, generator=g)
     out = [x.to(dtype) for x in (q, k, v)]
@@ -212,50 +242,52 @@ def test_tile_bad_arguments(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call(x)
 
+# --------------------------------------------------------------------------- sparsity -> k_vid
 
-# --------------------------------------------------------------------------- sparsity -> topk
-
-@pytest.mark.parametrize("sparsity, n, topk", [
-    (0.9, 10, 1), (0.7, 10, 3), (0.3, 10, 7), (0.95, 20, 1), (0.99, 100, 1), (0.85, 20, 3),
-    (0.9, 20, 2), (0.5, 7, 4), (0.8, 5, 1), (0.75, 4, 1), (0.0, 13, 13), (1.0, 13, 1),
-    (0.5, 1, 1), (0.999, 8, 1), (0.01, 8, 8), (0.125, 8, 7),
+@pytest.mark.parametrize("sparsity, n, k_vid", [
+    # FastVideo's float rounding: 0.7, 0.85, 0.95 on 660 cubes keep one cube more than the decimal
+    (0.7, 660, 199), (0.85, 660, 100), (0.95, 660, 34),
+    (0.7, 10, 4), (0.9, 10, 1), (0.3, 10, 7), (0.95, 20, 2), (0.85, 20, 4), (0.9, 20, 2),
+    (0.5, 7, 4), (0.8, 5, 1), (0.75, 4, 1), (0.0, 13, 13), (1.0, 13, 1), (0.5, 1, 1),
+    (0.999, 8, 1), (0.01, 8, 8), (0.125, 8, 7), (0.6, 12, 5),
 ])
-def test_topk_from_sparsity_exact_boundaries(sparsity, n, topk):
+def test_k_vid_from_sparsity_follows_fastvideo_floats(sparsity, n, k_vid):
     from solattn.routing import vsa_topk_from_sparsity
-    assert vsa_topk_from_sparsity(sparsity, n) == topk
+    assert vsa_topk_from_sparsity(sparsity, n) == k_vid == oracle_k_vid(sparsity, n)
 
 
 @needs_backend
 def test_sparsity_count_reaches_the_selection():
-    # grid (4, 16, 20) has 1 x 4 x 5 = 20 cubes; float (1 - 0.95) * 20 = 1.0000000000000009
-    grid = (4, 16, 20)
+    # grid (4, 8, 20) has 1 x 2 x 5 = 10 cubes; (1 - 0.7) * 10 = 3.0000000000000004 keeps 4
+    grid = (4, 8, 20)
     q, k, v = make_inputs(grid, D=8, H=1, seed=3)
-    by_sparsity = solattn.video_sparse_attn(q, k, v, grid, sparsity=0.95)
-    assert torch.equal(by_sparsity, solattn.video_sparse_attn(q, k, v, grid, topk=1))
-    assert not torch.equal(by_sparsity, solattn.video_sparse_attn(q, k, v, grid, topk=2))
-    want, gap = oracle_vsa(q, k, v, grid, topk=1)
+    by_sparsity = solattn.video_sparse_attn(q, k, v, grid, sparsity=0.7)
+    assert torch.equal(by_sparsity, solattn.video_sparse_attn(q, k, v, grid, topk=4))
+    assert not torch.equal(by_sparsity, solattn.video_sparse_attn(q, k, v, grid, topk=3))
+    want, gap = oracle_vsa(q, k, v, grid, 4)
     assert gap > 1e-4
     assert rel_l2(by_sparsity, want) < TOL[torch.float32]
 
 
 # --------------------------------------------------------------------------- against the oracle
 
-CASES = [  # grid, B, prefix_len, selection, gate
-    ((5, 6, 7), 2, 0, {"topk": 3}, True),          # partial cubes in every axis
-    ((2, 3, 3), 1, 0, {"sparsity": 0.5}, True),    # smaller than one cube
-    ((4, 8, 8), 2, 0, {"sparsity": 0.5}, False),   # whole cubes
-    ((6, 5, 9), 2, 70, {"topk": 2}, True),         # two prefix blocks, the second partial
-    ((3, 7, 6), 1, 5, {"sparsity": 0.6}, True),    # short prefix
-    ((9, 5, 6), 1, 0, {"sparsity": 0.9}, False),
+CASES = [  # grid, B, prefix segments, mode, selection, gate (None, "tensor", or a number)
+    ((5, 6, 7), 2, (), "exempt", {"topk": 3}, "tensor"),             # partial cubes in every axis
+    ((2, 3, 3), 1, (), "exempt", {"sparsity": 0.5}, "tensor"),       # smaller than one cube
+    ((4, 8, 8), 1, (70, 5, 64), "exempt", {"topk": 2}, "tensor"),    # three segments, ragged
+    ((4, 8, 8), 1, (70, 5, 64), "compete", {"topk": 2}, "tensor"),
+    ((6, 5, 9), 2, (70,), "compete", {"topk": 2}, None),
+    ((3, 7, 6), 1, (5, 130), "compete", {"sparsity": 0.6}, 1.0),     # FastVideo's gate-less convention
+    ((3, 7, 6), 1, (5, 130), "exempt", {"sparsity": 0.6}, 0.5),
+    ((9, 5, 6), 1, (), "exempt", {"sparsity": 0.9}, None),
 ]
 
 
-def _topk_of(selection, grid):
-    if "topk" in selection:
-        return selection["topk"]
+def _k_vid_of(selection, grid):
     n = math.prod(-(-g // 4) for g in grid)
-    s = round(selection["sparsity"] * 1000)        # the decimal the test wrote, in thousandths
-    return min(max(-(-(1000 - s) * n // 1000), 1), n)
+    if "topk" in selection:
+        return min(selection["topk"], n)
+    return oracle_k_vid(selection["sparsity"], n)
 
 
 BACKEND_DTYPES = [pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}")
@@ -263,54 +295,89 @@ BACKEND_DTYPES = [pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}")
                   if dtype in dispatch.get_backend(name).dtypes]
 
 
-@needs_backend
+def _gate_of(kind, q, seed):
+    if kind == "tensor":
+        return torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q.dtype)
+    return kind
+
+
 @pytest.mark.parametrize("backend, dtype", BACKEND_DTYPES)
-@pytest.mark.parametrize("grid, B, prefix_len, selection, use_gate", CASES,
-                         ids=[f"{c[0]}-B{c[1]}-P{c[2]}" for c in CASES])
-def test_matches_oracle(backend, dtype, grid, B, prefix_len, selection, use_gate):
-    inputs = make_inputs(grid, B=B, prefix_len=prefix_len, dtype=dtype, gate=use_gate, seed=B + prefix_len)
-    q, k, v = inputs[:3]
-    gate = inputs[3] if use_gate else None
-    out = solattn.video_sparse_attn(q, k, v, grid, gate=gate, backend=backend, prefix_len=prefix_len,
-                                    **selection)
-    want, gap = oracle_vsa(q, k, v, grid, _topk_of(selection, grid), gate=gate, prefix_len=prefix_len)
-    assert gap > 1e-3, "test case has nearly tied cube scores; pick another seed"
+@pytest.mark.parametrize("grid, B, segments, mode, selection, gate_kind", CASES,
+                         ids=[f"{c[0]}-B{c[1]}-P{c[2]}-{c[3]}-{c[5]}" for c in CASES])
+def test_matches_oracle(on_backend, backend, dtype, grid, B, segments, mode, selection, gate_kind):
+    on_backend(backend)
+    q, k, v = make_inputs(grid, B=B, segments=segments, dtype=dtype, seed=B + sum(segments))
+    gate = _gate_of(gate_kind, q, seed=99)
+    out = solattn.video_sparse_attn(q, k, v, grid, gate=gate, backend=backend,
+                                    prefix_len=list(segments), prefix_mode=mode, **selection)
+    want, gap = oracle_vsa(q, k, v, grid, _k_vid_of(selection, grid), gate=gate, segments=segments, mode=mode)
+    assert gap > 1e-3, "test case has nearly tied tile scores; pick another seed"
     assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
     assert rel_l2(out, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("backend", PLAN_BACKENDS)
+def test_prefix_modes_differ_and_match_oracle(on_backend, backend):
+    # keys of the prefix made weak: "compete" drops them for video rows, "exempt" keeps them
+    on_backend(backend)
+    grid, segments = (4, 8, 8), (64, 30)
+    q, k, v = make_inputs(grid, segments=segments, dtype=torch.bfloat16, seed=21)
+    k = k.clone()
+    k[:, :94] = -q[:, 94:].float().mean(1, keepdim=True).to(k.dtype) * 3
+    outs = {}
+    for mode in ("exempt", "compete"):
+        outs[mode] = solattn.video_sparse_attn(q, k, v, grid, topk=1, prefix_len=segments, prefix_mode=mode,
+                                               backend=backend)
+        want, gap = oracle_vsa(q, k, v, grid, 1, segments=segments, mode=mode)
+        assert gap > 1e-3
+        assert rel_l2(outs[mode], want) < TOL[torch.bfloat16]
+    assert rel_l2(outs["exempt"][:, 94:], outs["compete"][:, 94:]) > 1e-2
+    assert torch.equal(outs["exempt"][:, :94], outs["compete"][:, :94])   # prefix rows: dense in both
+
+
 @needs_backend
-def test_gate_of_video_shape_and_custom_scale():
-    grid, P = (5, 4, 6), 20
-    q, k, v, gate = make_inputs(grid, B=2, prefix_len=P, gate=True, seed=7)
-    full = solattn.video_sparse_attn(q, k, v, grid, topk=2, gate=gate, prefix_len=P, scale=0.3)
-    video_only = solattn.video_sparse_attn(q, k, v, grid, topk=2, gate=gate[:, P:].clone(),
-                                           prefix_len=P, scale=0.3)
-    assert torch.equal(full, video_only)
-    want, _ = oracle_vsa(q, k, v, grid, 2, gate=gate, scale=0.3, prefix_len=P)
+def test_gate_forms_and_custom_scale():
+    grid, segments = (5, 4, 6), (20, 9)
+    q, k, v, gate = make_inputs(grid, B=2, segments=segments, gate=True, seed=7)
+    P = sum(segments)
+    full = solattn.video_sparse_attn(q, k, v, grid, topk=2, gate=gate, prefix_len=segments, scale=0.3)
+    want, _ = oracle_vsa(q, k, v, grid, 2, gate=gate, scale=0.3, segments=segments)
     assert rel_l2(full, want) < TOL[torch.float32]
+    # a video-shaped gate is the full gate with 0 on the prefix rows
+    zero_prefix = gate.clone()
+    zero_prefix[:, :P] = 0
+    video_only = solattn.video_sparse_attn(q, k, v, grid, topk=2, gate=gate[:, P:].clone(),
+                                           prefix_len=segments, scale=0.3)
+    assert torch.equal(video_only, solattn.video_sparse_attn(q, k, v, grid, topk=2, gate=zero_prefix,
+                                                             prefix_len=segments, scale=0.3))
+    # a number is a constant gate (1.0: FastVideo's kernel-level "coarse + fine")
+    assert torch.equal(solattn.video_sparse_attn(q, k, v, grid, topk=2, gate=1.0, prefix_len=segments),
+                       solattn.video_sparse_attn(q, k, v, grid, topk=2, gate=torch.ones_like(q),
+                                                 prefix_len=segments))
 
 
-@needs_backend
-@pytest.mark.parametrize("prefix_len", [0, 37, 64])
-def test_sparsity_zero_is_dense_plus_gated_coarse(prefix_len):
+@pytest.mark.parametrize("backend", PLAN_BACKENDS)
+@pytest.mark.parametrize("segments, selection", [((), {"sparsity": 0.0}), ((37,), {"sparsity": 0.01}),
+                                                 ((64, 3), {"topk": 50})])
+def test_k_vid_equal_to_cube_count_is_dense(on_backend, backend, segments, selection):
+    # grid (5, 6, 7) has 8 cubes: sparsity 0, ceil(0.99 * 8) = 8 and topk 50 all keep every tile
+    on_backend(backend)
     grid = (5, 6, 7)
-    q, k, v, gate = make_inputs(grid, B=2, prefix_len=prefix_len, gate=True, seed=11)
-    scale = 16 ** -0.5
+    dtype = torch.float32 if torch.float32 in dispatch.get_backend(backend).dtypes else torch.bfloat16
+    q, k, v, gate = make_inputs(grid, B=1, H=1, segments=segments, gate=True, seed=11, dtype=dtype)
     dense = F.scaled_dot_product_attention(*(x.double().transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
-    plain = solattn.video_sparse_attn(q, k, v, grid, sparsity=0.0, prefix_len=prefix_len)
-    assert rel_l2(plain, dense) < 2e-5
-    gated = solattn.video_sparse_attn(q, k, v, grid, sparsity=0.0, gate=gate, prefix_len=prefix_len)
-    want = dense.clone()
-    want[:, prefix_len:] += gate[:, prefix_len:].double() * oracle_coarse(q, k, v, grid, scale, prefix_len)
-    assert rel_l2(gated, want) < 2e-5
-    assert torch.equal(gated[:, :prefix_len], plain[:, :prefix_len])   # prefix rows: no coarse term
+    plain = solattn.video_sparse_attn(q, k, v, grid, prefix_len=segments, backend=backend, **selection)
+    assert rel_l2(plain, dense) < TOL[dtype]
+    gated = solattn.video_sparse_attn(q, k, v, grid, gate=gate, prefix_len=segments, backend=backend, **selection)
+    want, _ = oracle_vsa(q, k, v, grid, 8, gate=gate, segments=segments)
+    assert rel_l2(gated, want) < TOL[dtype]
+    assert rel_l2(gated[:, :sum(segments)], plain[:, :sum(segments)]) > 0 or not segments  # prefix rows get coarse
 
 
 @needs_backend
 def test_prefix_rows_are_dense_and_prefix_keys_always_attended():
     grid, P = (6, 8, 8), 100
-    q, k, v = make_inputs(grid, B=1, prefix_len=P, seed=5)
+    q, k, v = make_inputs(grid, B=1, segments=(P,), seed=5)
     out = solattn.video_sparse_attn(q, k, v, grid, topk=1, prefix_len=P)
     dense = F.scaled_dot_product_attention(*(x.double().transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
     assert rel_l2(out[:, :P], dense[:, :P]) < 2e-5
@@ -319,8 +386,23 @@ def test_prefix_rows_are_dense_and_prefix_keys_always_attended():
     k2 = k.clone()
     k2[:, :P] = q[:, P:].mean(1, keepdim=True) * 50
     out2 = solattn.video_sparse_attn(q, k2, v, grid, topk=1, prefix_len=P)
-    want, _ = oracle_vsa(q, k2, v, grid, 1, prefix_len=P)
+    want, _ = oracle_vsa(q, k2, v, grid, 1, segments=(P,))
     assert rel_l2(out2, want) < 1e-4
+
+
+@needs_backend
+def test_segments_are_tiled_apart():
+    # one segment of 70 (tiles of 64 + 6 rows) vs segments (30, 40): other tiles, other means
+    grid = (4, 4, 8)
+    q, k, v, gate = make_inputs(grid, segments=(70,), gate=True, seed=13)
+    one = solattn.video_sparse_attn(q, k, v, grid, topk=1, gate=gate, prefix_len=70)
+    two = solattn.video_sparse_attn(q, k, v, grid, topk=1, gate=gate, prefix_len=[30, 40])
+    assert rel_l2(one, two) > 1e-3
+    for segments, out in (((70,), one), ((30, 40), two)):
+        want, _ = oracle_vsa(q, k, v, grid, 1, gate=gate, segments=segments)
+        assert rel_l2(out, want) < TOL[torch.float32]
+    # empty segments are dropped
+    assert torch.equal(two, solattn.video_sparse_attn(q, k, v, grid, topk=1, gate=gate, prefix_len=(0, 30, 0, 40)))
 
 
 @needs_backend
@@ -336,57 +418,56 @@ def test_ties_keep_the_whole_group():
 
 
 @needs_backend
-def test_topk_above_cube_count_keeps_everything():
-    grid = (5, 6, 7)                                  # 8 cubes
-    q, k, v = make_inputs(grid, B=1, seed=4)
-    assert torch.equal(solattn.video_sparse_attn(q, k, v, grid, topk=50),
-                       solattn.video_sparse_attn(q, k, v, grid, topk=8))
-
-
-@needs_backend
 def test_sort_ranking_path_agrees(monkeypatch):
     # the XPU-safe ranking (a full sort instead of torch.topk), forced on the CPU
     grid = (5, 6, 7)
-    q, k, v = make_inputs(grid, B=2, seed=6)
-    by_topk = solattn.video_sparse_attn(q, k, v, grid, topk=3)
+    q, k, v = make_inputs(grid, B=2, segments=(40,), seed=6)
+    by_topk = [solattn.video_sparse_attn(q, k, v, grid, topk=3, prefix_len=40, prefix_mode=m)
+               for m in ("exempt", "compete")]
     monkeypatch.setenv("SOLATTN_TOPK", "sort")
-    assert torch.equal(solattn.video_sparse_attn(q, k, v, grid, topk=3), by_topk)
+    for m, want in zip(("exempt", "compete"), by_topk):
+        assert torch.equal(solattn.video_sparse_attn(q, k, v, grid, topk=3, prefix_len=40, prefix_mode=m), want)
 
 
 @needs_backend
-def test_selection_mask_matches_oracle():
-    from solattn.routing import block_stats, select_vsa
-    grid, P = (5, 6, 7), 70
-    q, k, v = make_inputs(grid, B=2, prefix_len=P, seed=9)
-    blocks, n_prefix = oracle_blocks(grid, P)
-    # tiled layout as the oracle sees it
-    rows = torch.cat([torch.tensor(t) for t in blocks]) if blocks else torch.tensor([])
-    slot = torch.cat([torch.arange(len(t)) + 64 * j for j, t in enumerate(blocks)])
-    tiled = [torch.zeros(2, 64 * len(blocks), 2, 16).index_copy(1, slot, x[:, rows]) for x in (q, k, v)]
-    block_len = torch.tensor([len(t) for t in blocks], dtype=torch.int32)
+@pytest.mark.parametrize("mode", ["exempt", "compete"])
+def test_selection_mask_matches_oracle(mode):
+    from solattn.routing import block_stats, build_vsa_plan, select_vsa
+    grid, segments = (5, 6, 7), (70, 20)
+    q, k, v = make_inputs(grid, B=2, segments=segments, seed=9)
+    tiles, n_prefix = oracle_blocks(grid, segments)
+    rows = torch.cat([torch.tensor(t) for t in tiles])
+    slot = torch.cat([torch.arange(len(t)) + 64 * j for j, t in enumerate(tiles)])
+    tiled = [torch.zeros(2, 64 * len(tiles), 2, 16).index_copy(1, slot, x[:, rows]) for x in (q, k, v)]
+    block_len = torch.tensor([len(t) for t in tiles], dtype=torch.int32)
     problem = validate(*tiled, tail=False, block_len=block_len)
-    exact = select_vsa(block_stats(problem), 3, n_prefix)
-    assert exact[:, :, :n_prefix].all() and exact[:, :, :, :n_prefix].all()
+    exact = select_vsa(block_stats(problem), 3, n_prefix, mode, problem.scale)
+    plan = build_vsa_plan(problem, 3, n_prefix, mode)
+    assert torch.equal(plan.dense_mask(), exact) and plan.coarse is None and plan.tail_lse is None
     for b in range(2):
         for h in range(2):
-            qm = torch.stack([q[b, t, h].double().mean(0) for t in blocks[n_prefix:]])
-            km = torch.stack([k[b, t, h].double().mean(0) for t in blocks[n_prefix:]])
-            s = qm @ km.T
-            thr = s.sort(dim=1, descending=True).values[:, 2:3]
-            assert torch.equal(exact[b, h, n_prefix:, n_prefix:], s >= thr)
+            qm = torch.stack([q[b, t, h].double().mean(0) for t in tiles])
+            km = torch.stack([k[b, t, h].double().mean(0) for t in tiles])
+            kept, gap = oracle_selection(problem.scale * qm @ km.T, n_prefix, 3, mode)
+            assert gap > 1e-4
+            want = torch.zeros(len(tiles), len(tiles), dtype=torch.bool)
+            for i, js in enumerate(kept):
+                want[i, js] = True
+            assert torch.equal(exact[b, h], want)
 
 
 # --------------------------------------------------------------------------- autograd
 
 @needs_backend
-def test_gradients_match_float64_oracle():
-    grid, P = (5, 6, 7), 5
-    q, k, v, gate = (x.requires_grad_(True) for x in make_inputs(grid, B=1, prefix_len=P, gate=True, seed=8))
+@pytest.mark.parametrize("segments, mode", [((5,), "exempt"), ((70, 3), "compete")])
+def test_gradients_match_float64_oracle(segments, mode):
+    grid = (5, 6, 7)
+    q, k, v, gate = (x.requires_grad_(True) for x in make_inputs(grid, B=1, segments=segments, gate=True, seed=8))
     weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
-    out = solattn.video_sparse_attn(q, k, v, grid, topk=3, gate=gate, prefix_len=P)
+    out = solattn.video_sparse_attn(q, k, v, grid, topk=3, gate=gate, prefix_len=segments, prefix_mode=mode)
     grads = torch.autograd.grad((out * weight).sum(), (q, k, v, gate))
     leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v, gate)]
-    want, _ = oracle_vsa(*leaves[:3], grid, 3, gate=leaves[3], prefix_len=P)
+    want, _ = oracle_vsa(*leaves[:3], grid, 3, gate=leaves[3], segments=segments, mode=mode)
     want_grads = torch.autograd.grad((want * weight.double()).sum(), leaves)
     for name, g, w in zip("q k v gate".split(), grads, want_grads):
         assert g is not None and torch.isfinite(g).all(), name
@@ -421,7 +502,7 @@ def test_environment_preference_for_reference_is_ignored(monkeypatch):
 
 def _bad(**over):
     grid = (3, 4, 5)
-    q, k, v = make_inputs(grid, prefix_len=2)
+    q, k, v = make_inputs(grid, segments=(2,))
     args = dict(q=q, k=k, v=v, grid=grid, sparsity=0.5, prefix_len=2)
     args.update(over)
     return args
@@ -432,8 +513,15 @@ def _bad(**over):
     (dict(q=torch.randn(1, 62, 2, 16, dtype=torch.float64)), TypeError, r"video_sparse_attn: argument 'q'.*dtype"),
     (dict(grid=(3, 4, 6)), ValueError, r"'q' received a tensor of shape \(1, 62, 2, 16\).*2 \+ 72 = 74"),
     (dict(prefix_len=0), ValueError, r"'q' received .*0 \+ 60 = 60"),
-    (dict(prefix_len=-1), ValueError, r"'prefix_len' received -1; allowed: an int >= 0"),
+    (dict(prefix_len=[1, 2]), ValueError, r"'q' received .*3 \+ 60 = 63.*prefix_len=\[1, 2\]"),
+    (dict(prefix_len=-1), ValueError, r"'prefix_len' received -1; allowed: an int >= 0 or a sequence"),
+    (dict(prefix_len=[3, -1]), ValueError, r"'prefix_len' received \[3, -1\]"),
     (dict(prefix_len=True), TypeError, r"'prefix_len' received True"),
+    (dict(prefix_len=[2.0]), TypeError, r"'prefix_len' received \[2.0\]"),
+    (dict(prefix_mode="both"), ValueError, r"'prefix_mode' received 'both'; allowed: one of \('exempt', 'compete'\)"),
+    (dict(prefix_mode=None), TypeError, r"'prefix_mode' received None"),
+    (dict(gate=float("nan")), ValueError, r"'gate' received nan"),
+    (dict(gate=True), TypeError, r"'gate' received bool"),
     (dict(grid=(3, 4)), TypeError, r"'grid' received \(3, 4\)"),
     (dict(topk=2), ValueError, r"'sparsity/topk' received sparsity=0.5, topk=2.*exactly one"),
     (dict(sparsity=None), ValueError, r"'sparsity/topk' received sparsity=None, topk=None"),

@@ -232,7 +232,7 @@ def _attend_head_chunk(p, plan, b, h0, h1, out, kbias, dead_block, tail, mdt, el
     elif tail or p.key_bias is not None:
         needs_mask = torch.ones(R, dtype=torch.bool, device=dev)
     else:                                                # only dead rows: blocks that touch them
-        needs_mask = (plan.exact[b, h0:h1] & dead_block).any(dim=-1).reshape(R)
+        needs_mask = plan.touches_dead[b, h0:h1].reshape(R)
     group_key = counts.long() * 2 + needs_mask.long()
     head_base = (torch.arange(R, device=dev) // n) * n   # first key block of each row's head
     outputs = []

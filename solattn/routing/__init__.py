@@ -1,0 +1,37 @@
+"""Routing: block statistics, selection and the plan backends consume.
+
+- :mod:`.stats`: live lengths and fp32 block means over live rows.
+- :mod:`.select`: ``sol_attn``'s selection (tau or top-k, plus forced blocks).
+- :mod:`.vsa`: VSA's selection (FastVideo's VSA-H3 rule).
+- :mod:`.plan`: the :class:`Plan` (ordered selection, tail and coarse terms) and its
+  assembly, chunked to fit the memory budget.
+
+Backends that consume a :class:`Plan` (``sdpa``, ``triton``) never re-derive selection;
+the ``reference`` backend does not import this package.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..validation import Problem
+from .plan import (BYTES_PER_SCORE, Plan, Selector, assemble_plan, coarse_rows, indices_from_mask,
+                   plan_chunks, tail_rows)
+from .select import (TOPK_METHODS, default_topk_method, force_blocks_, forced_blocks, kth_largest,
+                     select_exact, sink_mask, sol_attn_selector, topk_count)
+from .stats import BlockStats, block_means, block_stats, live_lengths, live_token_mask
+from .vsa import PREFIX_MODES, build_vsa_plan, select_vsa, vsa_selector, vsa_topk_from_sparsity
+
+
+def build_plan(problem: Problem, topk_method: Optional[str] = None) -> Plan:
+    """The routing plan of a ``sol_attn`` call (SPEC.md, "The routing plan")."""
+    stats = block_stats(problem)
+    rule = sol_attn_selector(problem, stats, topk_method)
+    return assemble_plan(problem, stats, rule, tail=problem.tail, coarse=problem.coarse_gate is not None)
+
+
+__all__ = ["BYTES_PER_SCORE", "BlockStats", "PREFIX_MODES", "Plan", "Selector", "TOPK_METHODS",
+           "assemble_plan", "block_means", "block_stats", "build_plan", "build_vsa_plan", "coarse_rows",
+           "default_topk_method", "force_blocks_", "forced_blocks", "indices_from_mask", "kth_largest",
+           "live_lengths", "live_token_mask", "plan_chunks", "select_exact", "select_vsa", "sink_mask",
+           "sol_attn_selector", "tail_rows", "topk_count", "vsa_selector", "vsa_topk_from_sparsity"]

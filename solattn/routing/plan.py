@@ -1,0 +1,233 @@
+"""The routing plan: the one contract between routing and backends, and its assembly.
+
+A :class:`Plan` holds what a backend must compute, per (batch, head, query block):
+the exact key blocks in ordered form (``kv_num_blocks`` / ``kv_indices``, as
+FlexAttention's ``BlockMask`` keeps them), the pooled tail terms and the coarse
+term. :func:`assemble_plan` builds it from block statistics and a selection rule
+(``sol_attn``'s in :mod:`.select`, VSA's in :mod:`.vsa`), chunk by chunk over
+heads and query-block rows, so that the ``(rows, n)`` score temporaries of one
+chunk fit in the ``sdpa`` memory budget whatever T and H are. The dense
+``(B, H, n, n)`` mask is never stored; :meth:`Plan.dense_mask` derives it.
+
+The selection is computed without gradients (it is piecewise constant); the
+tail and coarse terms keep their autograd graph so that gradients of q, k, v
+flow through them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import torch
+
+from ..budget import current_budget
+from ..validation import BLOCK, Problem
+from .stats import BlockStats
+
+#: Selection rule of one chunk: ``select(g0, g1, i0, i1)`` -> ``(g1 - g0, i1 - i0, n)`` bool,
+#: the exact key blocks of query blocks ``[i0, i1)`` of the flattened (batch, head) groups ``[g0, g1)``.
+Selector = Callable[[int, int, int, int], torch.Tensor]
+
+#: Bytes of temporaries per routing-score element of a chunk (fp32 scores, a top-k or sort of
+#: them, bool masks, int32/int64 positions while ordering, fp32 tail and coarse logits). The
+#: largest is ordering the selection (bool + int32 cumsum + int64 index, 13 B) or a full sort
+#: (fp32 values + int64 indices next to the scores, 16 B + 4 B); 32 leaves room for the
+#: allocator's rounding.
+BYTES_PER_SCORE = 32
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Which key blocks each query block attends exactly, plus what the tail and coarse branch need.
+
+    - ``kv_num_blocks``: ``(B, H, n)`` int32, number of exact key blocks per query block.
+    - ``kv_indices``: ``(B, H, n, M)`` int32, the exact key blocks in ascending order in the first
+      ``kv_num_blocks`` entries, then 0 (padding). ``M`` is the largest count. This is the form
+      FlexAttention's ``BlockMask.from_kv_blocks`` and block-index kernels consume.
+    - ``block_len``: ``(n,)`` int32 live rows per block (``L_j``).
+    - ``key_mean``: ``(B, H, 1, D)`` fp32 centroid ``m`` of the key block means; exact keys are ``k - m``.
+    - ``tail_lse``: ``(B, H, n)`` fp32 ``log sum_{j not in E_i} L_j exp(p_ij)`` (``-inf`` when the tail
+      is empty) or ``None`` when ``tail=False``.
+    - ``tail_value``: ``(B, H, n, D)`` fp32 weighted mean of ``vm_j`` over that tail, or ``None``.
+    - ``coarse``: ``(B, H, n, D)`` fp32 ``sum_j softmax_j(scale qm_i . km_j) vm_j``, or ``None``;
+      a backend adds ``gate_t * coarse_i`` to every row t of query block i.
+    - ``touches_dead``: ``(B, H, n)`` bool, True where some exact key block of query block i has
+      dead rows (``L_j < 64``), i.e. where the exact keys need a mask.
+
+    The same selection as a dense ``(B, H, n, n)`` bool mask is :meth:`dense_mask` (also the
+    ``exact`` property); it is derived on demand and is not needed by backends.
+    """
+
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    block_len: torch.Tensor
+    key_mean: torch.Tensor
+    tail_lse: Optional[torch.Tensor]
+    tail_value: Optional[torch.Tensor]
+    coarse: Optional[torch.Tensor]
+    touches_dead: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return self.block_len.shape[0]
+
+    @property
+    def kept_fraction(self) -> float:
+        """Fraction of (query block, key block) pairs attended exactly."""
+        return float(self.kv_num_blocks.double().mean().item()) / self.n
+
+    def dense_mask(self) -> torch.Tensor:
+        """The selection as a ``(B, H, n, n)`` bool block mask (allocated on each call)."""
+        n, M = self.n, self.kv_indices.shape[-1]
+        used = torch.arange(M, device=self.kv_indices.device) < self.kv_num_blocks[..., None]
+        cols = torch.where(used, self.kv_indices.long(), n)               # padding -> scratch column n
+        mask = torch.zeros(*self.kv_num_blocks.shape, n + 1, dtype=torch.bool, device=cols.device)
+        return mask.scatter_(-1, cols, True)[..., :n]
+
+    exact = property(dense_mask, doc="Same as :meth:`dense_mask` (derived on each access).")
+
+
+def coarse_rows(qm: torch.Tensor, km: torch.Tensor, vm: torch.Tensor, scale: float) -> torch.Tensor:
+    """The coarse branch of query-block rows ``qm`` ``(..., r, D)`` against all blocks ``km``, ``vm``
+    ``(..., n, D)``: ``softmax_j(scale qm_i . km_j) vm_j`` (uncentred means), ``(..., r, D)`` fp32."""
+    return torch.softmax(scale * (qm @ km.transpose(-1, -2)), dim=-1) @ vm
+
+
+def tail_rows(qm: torch.Tensor, kmc: torch.Tensor, vm: torch.Tensor, logL: torch.Tensor, scale: float,
+              exact: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The pooled tail of query-block rows ``qm`` ``(..., r, D)`` over the blocks not in ``exact``
+    ``(..., r, n)``: ``(tail_lse (..., r), tail_value (..., r, D))`` with centred means ``kmc``."""
+    logw = (scale * (qm @ kmc.transpose(-1, -2)) + logL).masked_fill_(exact, -math.inf)
+    lse = torch.logsumexp(logw, dim=-1)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return lse, torch.exp(logw - safe[..., None]) @ vm                  # value 0 for an empty tail
+
+
+def indices_from_mask(exact: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``(..., n)`` bool block mask -> ``(kv_num_blocks, kv_indices)`` int32, ascending, 0-padded.
+
+    Each selected block j goes to column ``cumsum - 1`` of its row (elementwise, no sort);
+    unselected blocks go to a scratch column that is dropped. One host sync (the width M).
+    """
+    n = exact.shape[-1]
+    counts = exact.sum(dim=-1, dtype=torch.int32)
+    M = max(1, int(counts.max().item())) if counts.numel() else 1
+    pos = exact.cumsum(dim=-1, dtype=torch.int32).sub_(1).masked_fill_(~exact, M).long()
+    cols = torch.arange(n, device=exact.device, dtype=torch.int32).expand_as(exact)
+    idx = torch.zeros(*exact.shape[:-1], M + 1, dtype=torch.int32, device=exact.device)
+    idx.scatter_(-1, pos, cols)
+    return counts, idx[..., :M].contiguous()
+
+
+def plan_chunks(groups: int, n: int, nbytes: int) -> Iterator[Tuple[int, int, int, int]]:
+    """``(g0, g1, i0, i1)`` chunks covering ``groups x n`` query-block rows such that one chunk's
+    ``(g1 - g0) * (i1 - i0) * n`` score elements take at most ``nbytes`` at :data:`BYTES_PER_SCORE`
+    (at least one row of one group per chunk)."""
+    elems = max(n, nbytes // BYTES_PER_SCORE)
+    if elems >= n * n:                                   # whole groups per chunk
+        step = min(groups, elems // (n * n))
+        for g0 in range(0, groups, step):
+            yield g0, min(groups, g0 + step), 0, n
+    else:                                                # one group, a band of rows per chunk
+        rows = max(1, elems // n)
+        for g0 in range(groups):
+            for i0 in range(0, n, rows):
+                yield g0, g0 + 1, i0, min(n, i0 + rows)
+
+
+def assemble_plan(problem: Problem, stats: BlockStats, select: Selector, tail: bool, coarse: bool,
+                  nbytes: Optional[int] = None) -> Plan:
+    """Build a :class:`Plan` from block statistics and a selection rule, chunk by chunk.
+
+    ``select`` gives the exact key blocks of a chunk (see :data:`Selector`; it runs without
+    gradients). For each chunk the selection is turned into ordered indices and, when asked,
+    the tail terms (centred means, over the blocks outside the selection) and the coarse term
+    (uncentred means, over all blocks). ``nbytes`` bounds one chunk's temporaries (default: the
+    ``sdpa`` memory budget in force), so the plan's working memory is that budget plus its own
+    outputs, at any T and H. With gradients enabled, autograd keeps each chunk's tail and coarse
+    intermediates for the backward pass, outside that bound.
+    """
+    B, H, n, D = stats.qm.shape
+    G, dev = B * H, stats.qm.device
+    nbytes = current_budget("sdpa") if nbytes is None else nbytes
+    qm, km, vm = (x.reshape(G, n, D) for x in (stats.qm, stats.km, stats.vm))
+    kmc = (stats.km - stats.m).reshape(G, n, D) if tail else None
+    logL = torch.log(stats.L.to(torch.float32)) if tail else None
+    dead_block = stats.L < BLOCK
+    any_dead = bool(dead_block.any())
+
+    # Everything that outlives a chunk is allocated before the loop and written in place: on the
+    # CPU, small long-lived allocations made between the chunks' large temporaries pin glibc's
+    # heap, which then grows chunk after chunk (measured: +420 MiB over 32 chunks of 8 MiB).
+    kv_num_blocks = torch.empty(G, n, dtype=torch.int32, device=dev)
+    kv_indices = torch.zeros(G, n, 1, dtype=torch.int32, device=dev)  # widened as counts grow
+    touches = torch.zeros(G, n, dtype=torch.bool, device=dev)
+    graph = torch.is_grad_enabled() and any(x.requires_grad for x in (stats.qm, stats.km, stats.vm))
+    if graph:                                            # autograd: differentiable concatenation
+        lse_parts: List[torch.Tensor] = []
+        tv_parts: List[torch.Tensor] = []
+        coarse_parts: List[torch.Tensor] = []
+    else:
+        tail_lse = torch.empty(G, n, dtype=torch.float32, device=dev) if tail else None
+        tail_value = torch.empty(G, n, D, dtype=torch.float32, device=dev) if tail else None
+        coarse_out = torch.empty(G, n, D, dtype=torch.float32, device=dev) if coarse else None
+    M = 1
+    for g0, g1, i0, i1 in plan_chunks(G, n, nbytes):
+        with torch.no_grad():
+            exact = select(g0, g1, i0, i1)
+            if any_dead:
+                touches[g0:g1, i0:i1] = (exact & dead_block).any(dim=-1)
+            counts, idx = indices_from_mask(exact)
+            kv_num_blocks[g0:g1, i0:i1] = counts
+            if idx.shape[-1] > kv_indices.shape[-1]:     # widen (doubling: few reallocations)
+                wider = torch.zeros(G, n, min(n, max(idx.shape[-1], 2 * kv_indices.shape[-1])),
+                                    dtype=torch.int32, device=dev)
+                wider[..., :kv_indices.shape[-1]] = kv_indices
+                kv_indices = wider
+            kv_indices[g0:g1, i0:i1, :idx.shape[-1]] = idx
+            M = max(M, idx.shape[-1])
+            del counts, idx
+        if tail:
+            lse, tv = tail_rows(qm[g0:g1, i0:i1], kmc[g0:g1], vm[g0:g1], logL, problem.scale, exact)
+            if graph:
+                lse_parts.append(lse)
+                tv_parts.append(tv)
+            else:
+                tail_lse[g0:g1, i0:i1] = lse
+                tail_value[g0:g1, i0:i1] = tv
+            del lse, tv
+        del exact
+        if coarse:
+            c = coarse_rows(qm[g0:g1, i0:i1], km[g0:g1], vm[g0:g1], problem.scale)
+            if graph:
+                coarse_parts.append(c)
+            else:
+                coarse_out[g0:g1, i0:i1] = c
+            del c
+    if kv_indices.shape[-1] != M:
+        kv_indices = kv_indices[..., :M].contiguous()
+    if graph:
+        chunks = list(plan_chunks(G, n, nbytes))
+
+        def joined(parts: List[torch.Tensor]) -> torch.Tensor:
+            """Chunk results in ``plan_chunks`` order -> ``(G, n, ...)``: rows first, then groups."""
+            groups, row = [], []
+            for (_, _, _, i1), part in zip(chunks, parts):
+                row.append(part)
+                if i1 == n:
+                    groups.append(torch.cat(row, dim=1) if len(row) > 1 else row[0])
+                    row = []
+            return torch.cat(groups, dim=0) if len(groups) > 1 else groups[0]
+
+        tail_lse = joined(lse_parts) if tail else None
+        tail_value = joined(tv_parts) if tail else None
+        coarse_out = joined(coarse_parts) if coarse else None
+
+    def bh(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if x is None else x.view(B, H, *x.shape[1:])
+
+    return Plan(kv_num_blocks=bh(kv_num_blocks), kv_indices=bh(kv_indices), block_len=stats.L,
+                key_mean=stats.m, tail_lse=bh(tail_lse), tail_value=bh(tail_value), coarse=bh(coarse_out),
+                touches_dead=bh(touches))
