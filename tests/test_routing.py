@@ -123,17 +123,18 @@ def test_plans_share_no_cached_tensor():
 PLAN_MEMORY_SCRIPT = """
 import json, resource, sys, torch, solattn
 from solattn import routing
+from solattn.validation import validate
 def rss():  # peak resident set size of this process, bytes (Linux reports KiB)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 budget = int(sys.argv[1])
 B, T, H, D = 1, 131072, 4, 64
 g = torch.Generator().manual_seed(0)
 q, k, v, gate = (torch.randn(B, T, H, D, generator=g).to(torch.bfloat16) for _ in range(4))
-small = solattn.validate(q[:, :4096], k[:, :4096], v[:, :4096], topk_ratio=0.01, coarse_gate=gate[:, :4096])
+small = validate(q[:, :4096], k[:, :4096], v[:, :4096], topk_ratio=0.01, coarse_gate=gate[:, :4096])
 routing.build_plan(small)                                   # warm the libraries
 before = rss()
 with solattn.memory_budget(budget):
-    plan = routing.build_plan(solattn.validate(q, k, v, topk_ratio=0.01, coarse_gate=gate))
+    plan = routing.build_plan(validate(q, k, v, topk_ratio=0.01, coarse_gate=gate))
 print(json.dumps({"working": rss() - before, "M": plan.kv_indices.shape[-1],
                   "finite": bool(torch.isfinite(plan.coarse).all() and torch.isfinite(plan.tail_value).all())}))
 """
