@@ -29,7 +29,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass
-from typing import Callable, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Callable, FrozenSet, Optional, Sequence, Tuple
 
 import torch
 
