@@ -49,7 +49,7 @@ def _setup():
         plugin = _import_plugin()
     except ImportError as exc:
         _log.error("solattn: not installed, comfy_kitchen.sol_attn keeps its own backends "
-                   "(pip install solattn, or symlink this folder from a solattn checkout): %s", exc)
+                   "(install solattn from a checkout or a wheel: pip install -e /path/to/solattn; it is not on PyPI; or symlink this folder from a solattn checkout): %s", exc)
         return None
     try:
         # SOLATTN_COMFY_KITCHEN, if set, already installed it during `import solattn`

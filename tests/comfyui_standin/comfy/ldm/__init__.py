@@ -1,0 +1,1 @@
+"""Test stand-in for the ComfyUI interfaces the solattn node touches (see ../README.md)."""

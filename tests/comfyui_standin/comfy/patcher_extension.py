@@ -1,0 +1,3 @@
+class CallbacksMP:
+    ON_PREPARE_STATE = "on_prepare_state"
+    ON_CLEANUP = "on_cleanup"

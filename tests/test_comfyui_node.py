@@ -1,0 +1,333 @@
+"""The ComfyUI node "Model Sparse Attention (solattn)" against a stand-in of ComfyUI's interfaces.
+
+tests/comfyui_standin/ reproduces what the node touches (attention override hook, MiniMax-H3
+block replacement and layout, ModelPatcher). Every sparse output is compared with a direct
+solattn computation on the same projections; every fallback with the unpatched model.
+"""
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+import solattn
+from solattn.integrations import comfyui as node
+
+STANDIN = os.path.join(os.path.dirname(__file__), "comfyui_standin")
+LOGGER = "solattn.comfyui"
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    """The stand-in ``comfy`` package on sys.path for this module only."""
+    assert "comfy" not in sys.modules, "a real or stand-in 'comfy' package is already imported"
+    sys.path.insert(0, STANDIN)
+    try:
+        mods = {name: importlib.import_module(f"comfy.{name}")
+                for name in ("model_patcher", "patcher_extension", "ldm.minimax.model", "ldm.generic")}
+        yield mods
+    finally:
+        sys.path.remove(STANDIN)
+        for name in [m for m in sys.modules if m == "comfy" or m.startswith("comfy.")]:
+            del sys.modules[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# MiniMax-H3 with vsa
+TEXT, AUDIO_T, LATENT = 70, 9, (5, 12, 14)     # video grid (5, 6, 7): 8 cubes, two partial axes
+
+
+def h3_setup(comfy, seed=0, gate=True, layers=2, dtype=torch.float32):
+    torch.manual_seed(seed)
+    mm = comfy["ldm.minimax.model"]
+    model = mm.MiniMaxH3Model(hidden=64, heads=2, head_dim=32, layers=layers, gate_compress=gate).to(dtype)
+    with torch.no_grad():
+        for block in model.blocks:        # distinct q/k block structure, so cube scores separate
+            block.attn.qkv_proj.weight.mul_(3.0)
+            if gate:
+                block.attn.to_gate_compress.weight.mul_(4.0)
+    layout = mm.PackedLayout(TEXT, *LATENT, AUDIO_T)
+    h = torch.randn(layout.seq_len, 64, dtype=dtype)
+    return comfy["model_patcher"].ModelPatcher(model), layout, h
+
+
+def h3_direct(model, layout, h, keep_percent, prefix_mode="exempt", dense_blocks=()):
+    """The H3 blocks computed by hand: the model's projections, then solattn.video_sparse_attn."""
+    grid = (LATENT[0], LATENT[1] // 2, LATENT[2] // 2)
+    prefix = [b - a for a, b, kind in layout.segments if kind != "video"]
+    rope = model.rope_freqs(layout.seq_len, h.device)
+    for i, block in enumerate(model.blocks):
+        attn = block.attn
+        x = block.norm1(h)
+        q, k, v = (t.unsqueeze(0) for t in attn.project(x, rope))
+        if i in dense_blocks:
+            o = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+            o = o.transpose(1, 2)
+        else:
+            gate = None if attn.to_gate_compress is None else attn.to_gate_compress(x).view(q.shape)
+            o = solattn.video_sparse_attn(q, k, v, grid, sparsity=(100 - keep_percent) / 100, gate=gate,
+                                          prefix_len=prefix, prefix_mode=prefix_mode)
+        h = h + attn.out_proj(o.reshape(layout.seq_len, -1))
+        h = h + block.mlp(block.norm2(h))
+    return h
+
+
+def node_lines(caplog, text):
+    return [r for r in caplog.records if r.name == LOGGER and text in r.getMessage()]
+
+
+@pytest.mark.parametrize("prefix_mode", ["exempt", "compete"])
+@torch.no_grad()
+def test_h3_vsa_equals_direct_solattn(comfy, caplog, prefix_mode):
+    patcher, layout, h = h3_setup(comfy)
+    patched = node.apply(patcher, method="vsa", keep_percent=10.0, start_percent=0.0, end_percent=1.0,
+                         min_tokens=0, vsa_prefix=prefix_mode)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    out = patched.apply_model(h, layout, sigma=0.5)
+    want = h3_direct(patcher.diffusion_model, layout, h, 10.0, prefix_mode)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    dense = patcher.apply_model(h, layout, sigma=0.5)
+    assert (out - dense).norm() > 1e-2 * dense.norm(), "keep 10% of 8 cubes must differ from dense"
+    assert len(node_lines(caplog, "vsa on cpu: grid (5, 6, 7), prefix segments [70, 18]")) == 1
+
+
+@torch.no_grad()
+def test_h3_vsa_gate_is_used(comfy):
+    """The gate comes from to_gate_compress on the attention input: zeroing it changes the output."""
+    patcher, layout, h = h3_setup(comfy)
+    patched = node.apply(patcher, method="vsa", keep_percent=10.0, start_percent=0.0, min_tokens=0)
+    with_gate = patched.apply_model(h, layout)
+    for block in patcher.diffusion_model.blocks:
+        block.attn.to_gate_compress.weight.zero_()
+    without = patched.apply_model(h, layout)
+    assert (with_gate - without).norm() > 1e-3 * without.norm()
+
+
+@torch.no_grad()
+def test_h3_vsa_dense_blocks(comfy, caplog):
+    patcher, layout, h = h3_setup(comfy)
+    patched = node.apply(patcher, method="vsa", keep_percent=10.0, start_percent=0.0, min_tokens=0,
+                         dense_blocks="1")
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    out = patched.apply_model(h, layout)
+    want = h3_direct(patcher.diffusion_model, layout, h, 10.0, dense_blocks=(1,))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert len(node_lines(caplog, "block 1 is in dense_blocks")) == 1
+
+
+@pytest.mark.parametrize("case", ["schedule_early", "schedule_late", "min_tokens"])
+@torch.no_grad()
+def test_h3_vsa_fallbacks_are_dense(comfy, caplog, case):
+    patcher, layout, h = h3_setup(comfy)
+    kwargs = dict(method="vsa", keep_percent=10.0, start_percent=0.2, end_percent=0.8, min_tokens=0)
+    sigma = {"schedule_early": 0.9, "schedule_late": 0.1, "min_tokens": 0.5}[case]
+    if case == "min_tokens":
+        kwargs["min_tokens"] = layout.seq_len + 1
+    patched = node.apply(patcher, **kwargs)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    for _ in range(2):                       # two calls, still one line
+        out = patched.apply_model(h, layout, sigma=sigma)
+    torch.testing.assert_close(out, patcher.apply_model(h, layout, sigma=sigma), rtol=0, atol=0)
+    text = "outside the start/end window" if case != "min_tokens" else "tokens < min_tokens"
+    assert len(node_lines(caplog, text)) == 1
+    assert not node_lines(caplog, "vsa on")
+    patched.cleanup()                        # a new sampling run logs again
+    patched.apply_model(h, layout, sigma=sigma)
+    assert len(node_lines(caplog, text)) == 2
+
+
+@torch.no_grad()
+def test_h3_vsa_refused_input_is_dense(comfy, caplog):
+    """float64 is outside solattn's dtypes: the attention that was there runs, one line says why."""
+    patcher, layout, h = h3_setup(comfy, dtype=torch.float64)
+    patched = node.apply(patcher, method="vsa", keep_percent=10.0, start_percent=0.0, min_tokens=0)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    out = patched.apply_model(h, layout)
+    torch.testing.assert_close(out, patcher.apply_model(h, layout), rtol=0, atol=0)
+    lines = node_lines(caplog, "solattn refuses")
+    assert len(lines) == 1 and "float64" in lines[0].getMessage()
+
+
+@torch.no_grad()
+def test_h3_vsa_keeps_an_earlier_override_for_dense_calls(comfy):
+    """A block outside the window runs whatever override another node installed before."""
+    patcher, layout, h = h3_setup(comfy)
+    calls = []
+
+    def earlier(func, *args, **kwargs):
+        calls.append(args[0].shape)
+        return func(*args, **kwargs)
+
+    patcher.model_options["transformer_options"]["optimized_attention_override"] = earlier
+    patched = node.apply(patcher, method="vsa", keep_percent=10.0, start_percent=0.5, min_tokens=0)
+    patched.apply_model(h, layout, sigma=0.9)
+    assert len(calls) == 2
+    calls.clear()
+    patched.apply_model(h, layout, sigma=0.3)
+    assert calls == []
+
+
+def test_vsa_needs_h3(comfy):
+    patcher = comfy["model_patcher"].ModelPatcher(comfy["ldm.generic"].TinyDiT())
+    with pytest.raises(ValueError, match="'method' received 'vsa'"):
+        node.apply(patcher, method="vsa")
+
+
+# ---------------------------------------------------------------------------------------------
+# sol-attn / sla through the attention override
+def generic_setup(comfy, tokens=320, seed=1, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = comfy["ldm.generic"].TinyDiT(dim=128, heads=2, context_dim=48).to(dtype)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn1.to_q.weight.mul_(4.0)
+            block.attn1.to_k.weight.mul_(4.0)
+    x = torch.randn(1, tokens, 128, dtype=dtype) + torch.randn(1, tokens // 64, 1, 128, dtype=dtype).repeat_interleave(64, 1).flatten(1, 2)[:, :tokens]
+    context = torch.randn(1, 7, 48, dtype=dtype)
+    return comfy["model_patcher"].ModelPatcher(model), x, context
+
+
+def generic_direct(model, x, context, **sol):
+    for block in model.blocks:
+        a = block.attn1
+        n = block.norm1(x)
+        q, k, v = (p(n).unflatten(-1, (2, 64)) for p in (a.to_q, a.to_k, a.to_v))
+        x = x + a.to_out(solattn.sol_attn(q, k, v, **sol).flatten(-2))
+        x = x + block.attn2(block.norm2(x), context=context)
+    return x
+
+
+@pytest.mark.parametrize("method,sol", [("sol-attn", dict(tau=1.3)), ("sla", dict(topk_ratio=0.25))])
+@torch.no_grad()
+def test_generic_override_equals_direct_sol_attn(comfy, caplog, method, sol):
+    patcher, x, context = generic_setup(comfy)
+    patched = node.apply(patcher, method=method, tau=1.3, keep_percent=25.0, start_percent=0.0, min_tokens=0)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    out = patched.apply_model(x, context)
+    torch.testing.assert_close(out, generic_direct(patcher.diffusion_model, x, context, **sol),
+                               rtol=1e-6, atol=1e-6)
+    dense = patcher.apply_model(x, context)
+    assert (out - dense).norm() > 1e-3 * dense.norm()
+    assert len(node_lines(caplog, f"{method} on (1, 320, 2, 64)")) == 1
+    # the cross-attention calls (q 320 rows, k 7 rows) stayed dense, with one line
+    assert len(node_lines(caplog, "dense: cross-attention")) == 1
+
+
+@torch.no_grad()
+def test_generic_masked_call_is_dense(comfy, caplog):
+    patcher, x, context = generic_setup(comfy)
+    patched = node.apply(patcher, method="sol-attn", start_percent=0.0, min_tokens=0)
+    mask = torch.zeros(320, 320)
+    mask[:, 300:] = -1e4
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    out = patched.apply_model(x, context, mask=mask)
+    torch.testing.assert_close(out, patcher.apply_model(x, context, mask=mask), rtol=0, atol=0)
+    assert len(node_lines(caplog, "dense: masked attention call")) == 1
+
+
+@pytest.mark.parametrize("case", ["schedule", "min_tokens", "dense_blocks"])
+@torch.no_grad()
+def test_generic_fallbacks_are_dense(comfy, caplog, case):
+    patcher, x, context = generic_setup(comfy)
+    kwargs = dict(method="sol-attn", start_percent=0.0, end_percent=1.0, min_tokens=0)
+    sigma = 0.5
+    if case == "schedule":
+        kwargs["start_percent"], sigma = 0.6, 0.9
+    elif case == "min_tokens":
+        kwargs["min_tokens"] = 321
+    else:
+        kwargs["dense_blocks"] = "0-1"
+    patched = node.apply(patcher, **kwargs)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    out = patched.apply_model(x, context, sigma=sigma)
+    torch.testing.assert_close(out, patcher.apply_model(x, context, sigma=sigma), rtol=0, atol=0)
+    text = {"schedule": "outside the start/end window", "min_tokens": "320 tokens < min_tokens 321",
+            "dense_blocks": "is in dense_blocks"}[case]
+    assert len(node_lines(caplog, text)) == 1
+    assert not node_lines(caplog, "sol-attn on")
+
+
+@torch.no_grad()
+def test_h3_sol_attn_uses_conditioning_sinks(comfy, caplog):
+    """sol-attn on H3 goes through the override; the packed prefix is exact for every query."""
+    patcher, layout, h = h3_setup(comfy, layers=1)
+    patched = node.apply(patcher, method="sla", keep_percent=20.0, start_percent=0.0, min_tokens=0,
+                         sink_conditioning="exact_kv_and_rows")
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    out = patched.apply_model(h, layout)
+    model = patcher.diffusion_model
+    block = model.blocks[0]
+    x = block.norm1(h)
+    q, k, v = (t.unsqueeze(0) for t in block.attn.project(x, model.rope_freqs(layout.seq_len, h.device)))
+    video_start = TEXT + 2 * AUDIO_T                                   # 88 rows: blocks 0, 1
+    o = solattn.sol_attn(q, k, v, topk_ratio=0.2, sink_blocks=[0, 2], sink_q=[TEXT // 64, 2])
+    want = h + block.attn.out_proj(o.reshape(layout.seq_len, -1))
+    want = want + block.mlp(block.norm2(want))
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    assert -(-video_start // 64) == 2
+    assert len(node_lines(caplog, "sinks [0, 2]/[1, 2]")) == 1
+
+
+def test_override_stays_on_top(comfy):
+    """A node applied after ours replaces the hook; ON_PREPARE_STATE puts ours back on top and
+    chains to it for dense calls."""
+    patcher, x, context = generic_setup(comfy)
+    patched = node.apply(patcher, method="sol-attn", start_percent=0.0, min_tokens=0)
+    later = []
+
+    def other(func, *args, **kwargs):
+        later.append(1)
+        return func(*args, **kwargs)
+
+    patched.model_options["transformer_options"]["optimized_attention_override"] = other
+    with torch.no_grad():
+        patched.apply_model(x, context)
+    assert len(later) == 2          # only the two cross-attention calls, declined by ours
+
+
+# ---------------------------------------------------------------------------------------------
+# node surface and argument checks
+def test_node_class_surface():
+    spec = node.SolAttnModelSparseAttention.INPUT_TYPES()
+    assert spec["required"]["method"][0] == ["sol-attn", "sla", "vsa"]
+    assert node.NODE_DISPLAY_NAME_MAPPINGS[node.NODE_ID] == "Model Sparse Attention (solattn)"
+    assert set(spec["required"]) | set(spec["optional"]) == {
+        "model", "method", "tau", "keep_percent", "start_percent", "end_percent", "dense_blocks",
+        "min_tokens", "sink_conditioning", "vsa_prefix"}
+
+
+def test_parse_block_list():
+    assert node.parse_block_list("0, 1, 47-49") == {0, 1, 47, 48, 49}
+    assert node.parse_block_list(" 3 5 - 6 ") == {3, 5, 6}
+    assert node.parse_block_list("") == frozenset()
+    with pytest.raises(ValueError, match="'dense_blocks' received '1, x'"):
+        node.parse_block_list("1, x")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="dense"), "'method' received 'dense'"),
+    (dict(method="sla", keep_percent=0.0), "'keep_percent' received 0.0"),
+    (dict(method="sol-attn", min_tokens=-1), "'min_tokens' received -1"),
+    (dict(method="sol-attn", start_percent=1.5), "'start_percent' received 1.5"),
+    (dict(method="sol-attn", sink_conditioning="all"), "'sink_conditioning' received 'all'"),
+    (dict(method="sol-attn", vsa_prefix="mixed"), "'vsa_prefix' received 'mixed'"),
+])
+def test_bad_arguments(comfy, kwargs, match):
+    patcher = comfy["model_patcher"].ModelPatcher(comfy["ldm.generic"].TinyDiT())
+    with pytest.raises(ValueError, match=match):
+        node.apply(patcher, **kwargs)
+
+
+def test_custom_node_folder_exports_the_node():
+    """What ComfyUI does with the folder: import it and read NODE_CLASS_MAPPINGS."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "integrations", "comfyui",
+                        "solattn_sparse_attention", "__init__.py")
+    spec = importlib.util.spec_from_file_location("solattn_sparse_attention_under_test", path)
+    folder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(folder)
+    assert folder.NODE_CLASS_MAPPINGS == {node.NODE_ID: node.SolAttnModelSparseAttention}
+    assert folder.NODE_DISPLAY_NAME_MAPPINGS == {node.NODE_ID: "Model Sparse Attention (solattn)"}
