@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
-from solattn import dispatch, validate  # noqa: E402
+from solattn import dispatch  # noqa: E402
+from solattn.validation import validate  # noqa: E402
 
 BLOCK = 64
 
