@@ -79,6 +79,7 @@ def main():
             print(f"{name}: {world} ranks, shards {lens} of T={T}, H={args.heads}, D={args.head_dim} "
                   f"{str(dtype).replace('torch.', '')} on {device}: rel. L2 vs one device {err:.2e} "
                   f"-> {'OK' if ok else 'MISMATCH'}", flush=True)
+    dist.barrier()                             # rank 0's check done before anyone tears down
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 
