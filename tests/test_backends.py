@@ -220,10 +220,10 @@ def test_sdpa_gradients_match_reference(device, kw):
 @pytest.mark.parametrize("device", SDPA_DEVICES)
 def test_sdpa_writes_every_output_element(device, monkeypatch):
     from solattn.backends import sdpa as sdpamod
-    monkeypatch.setattr(sdpamod, "_new_output",
+    monkeypatch.setattr(sdpamod.forward, "new_output",
                         lambda shape, dtype, dev: torch.full(shape, math.nan, dtype=dtype, device=dev))
-    real_empty = sdpamod._Workspace.empty                   # reused scratch (block layouts, outputs)
-    monkeypatch.setattr(sdpamod._Workspace, "empty",
+    real_empty = sdpamod.layout.Workspace.empty                   # reused scratch (gathered blocks)
+    monkeypatch.setattr(sdpamod.layout.Workspace, "empty",
                         lambda self, *a, **kw: real_empty(self, *a, **kw).fill_(math.nan))
     for T, kw in ((1, {}), (200, dict(topk_ratio=0.3)), (257, dict(tau=0.4, tail=False)),
                   (128, dict(tau=0.0, key_bias=torch.zeros(128, dtype=torch.bool)))):
@@ -283,7 +283,7 @@ def test_sdpa_masks_in_input_dtype_as_on_gpus(feature, monkeypatch):
     kw = feats[feature]
     want = solattn.sol_attn(q, k, v, backend="reference", **kw)
     fp32 = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
-    monkeypatch.setattr(sdpamod, "_FP32_MASK_DEVICES", frozenset())
+    monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
     got = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
     live = _live_rows(T, bl) if "block_len" in kw else torch.ones(T, dtype=torch.bool)
     err, err32 = rel_l2(got[:, live], want[:, live]), rel_l2(fp32[:, live], want[:, live])
@@ -342,8 +342,18 @@ def test_huge_finite_biases_stay_finite(backend, device, dtype, monkeypatch, fp3
     for bias in biases:
         got = _run(backend, device, monkeypatch, q, k, v, tau=0.3, tail=False, key_bias=bias)
         want = solattn.sol_attn(q, k, v, tau=0.3, tail=False, key_bias=bias, backend="reference")
+        if bias[0] < -65504 and _fp16_mask(backend, device, dtype):
+            # documented: an fp16 mask holds the bias as -65504 on every key, a constant shift, so
+            # the row is the unbiased softmax (the fp32 reference rounds logit + bias to bias and
+            # averages uniformly instead)
+            want = solattn.sol_attn(q, k, v, tau=0.3, tail=False, backend="reference")
         assert torch.isfinite(got).all()
         assert rel_l2(got, want) < 1e-2
+
+
+def _fp16_mask(backend, device, dtype):
+    from solattn.backends import sdpa as sdpamod
+    return backend == "sdpa" and sdpamod.masks.mask_dtype(torch.device(device), dtype) == torch.float16
 
 
 @pytest.mark.parametrize("backend,device", ROBUST, ids=[f"{b}-{d}" for b, d in ROBUST])
@@ -368,8 +378,64 @@ def test_huge_finite_biases_with_masks_in_input_dtype(dtype, monkeypatch):
     """The GPU mask branch (mask in q's dtype) forced on the CPU: a finite bias beyond the
     dtype's range is clamped into it, not turned into -inf (which zeroed rows on an H200)."""
     from solattn.backends import sdpa as sdpamod
-    monkeypatch.setattr(sdpamod, "_FP32_MASK_DEVICES", frozenset())
-    # An fp16 mask cannot hold finfo(fp32).min: clamped to -65504 it no longer swamps the logits
-    # as it does in the fp32 reference (which then averages uniformly), so that case is bf16 only.
-    test_huge_finite_biases_stay_finite("sdpa", "cpu", dtype, monkeypatch,
-                                        fp32_min=dtype == torch.bfloat16)
+    monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+    test_huge_finite_biases_stay_finite("sdpa", "cpu", dtype, monkeypatch)
+
+
+def _log2_prescaling_sdpa(q, k, v, attn_mask=None, scale=None):
+    """SDPA as fused GPU kernels compute it: (logit + mask) * log2(e) in fp32, then exp2. A row
+    whose scaled terms are all -inf (including finite entries that overflowed) comes out 0."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        s = s + attn_mask.float()
+    z = s * math.log2(math.e)
+    mx = z.amax(dim=-1, keepdim=True)
+    w = torch.exp2(z - torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx))
+    out = (w @ v.float()) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return out.to(v.dtype)
+
+
+@pytest.mark.parametrize("gpu_masks", [False, True], ids=["fp32-mask", "input-dtype-mask"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_huge_finite_bias_survives_log2_prescaling_kernels(dtype, gpu_masks, monkeypatch):
+    """Every finite mask entry times log2(e) stays finite in fp32: a bias of finfo(fp32).min on
+    every key ran as all-zero rows on an H200 when the bf16 mask held -3.39e38."""
+    from solattn.backends import sdpa as sdpamod
+    if gpu_masks:
+        monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+    T = 300
+    q, k, v = make_qkv(1, T, 2, 64, dtype=dtype, seed=22)
+    for tail in (False, True):
+        for bias in (torch.full((T,), torch.finfo(torch.float32).min), torch.full((T,), -1e35)):
+            want = solattn.sol_attn(q, k, v, tau=0.3, tail=tail, key_bias=bias, backend="reference")
+            if _fp16_mask("sdpa", "cpu", dtype) and not tail:
+                want = solattn.sol_attn(q, k, v, tau=0.3, tail=tail, backend="reference")
+            with monkeypatch.context() as m:
+                m.setattr(torch.nn.functional, "scaled_dot_product_attention", _log2_prescaling_sdpa)
+                got = solattn.sol_attn(q, k, v, tau=0.3, tail=tail, key_bias=bias, backend="sdpa")
+            assert torch.isfinite(got).all() and (got != 0).any(), (tail, bias[0])
+            assert rel_l2(got, want) < TOL[dtype] * 10, (tail, bias[0])
+
+
+@pytest.mark.parametrize("gpu_masks", [False, True], ids=["cpu-fp32-mask", "gpu-bf16-mask"])
+def test_sdpa_bf16_tail_error_does_not_grow_with_logits(gpu_masks, monkeypatch):
+    """bf16 inputs are exact; the tail must not make the error grow with |logit| (it did when the
+    keys were centred in fp32 and rounded back to bf16). With the tail the error stays at the level
+    of the same call without it, up to max |logit| ~ 2000, with the mask in fp32 and in bf16."""
+    from solattn.backends import sdpa as sdpamod
+    if gpu_masks:
+        monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+    B, T, H, D = 1, 1024, 2, 128
+    q0, k, v = make_qkv(B, T, H, D, dtype=torch.float32, seed=31)
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    for mult in (1, 16, 256):
+        q = (q0 * mult).to(torch.bfloat16)
+        logit = (D ** -0.5 * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).abs().max().item()
+        errs = {}
+        for tail in (True, False):
+            want = solattn.sol_attn(q.float(), k.float(), v.float(), topk_ratio=0.1, tail=tail,
+                                    backend="reference")
+            got = solattn.sol_attn(q, k, v, topk_ratio=0.1, tail=tail, backend="sdpa")
+            errs[tail] = rel_l2(got, want)
+        assert errs[True] < 1.5 * errs[False] + 2e-4, (mult, logit, errs)
+    assert logit > 1000
