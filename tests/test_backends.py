@@ -439,3 +439,66 @@ def test_sdpa_bf16_tail_error_does_not_grow_with_logits(gpu_masks, monkeypatch):
             errs[tail] = rel_l2(got, want)
         assert errs[True] < 1.5 * errs[False] + 2e-4, (mult, logit, errs)
     assert logit > 1000
+
+
+@pytest.mark.parametrize("device", SDPA_DEVICES)
+@pytest.mark.parametrize("bias_shape", ["T", "BT", "B11T"])
+@pytest.mark.parametrize("tail", [True, False], ids=["tail", "notail"])
+def test_key_bias_gradient_matches_reference_autograd(device, bias_shape, tail):
+    """A float key_bias that requires grad gets the gradient the reference's autograd gives
+    (sdpa's mask, clamp included, is differentiable in the bias); q, k, v's still match too."""
+    B, T, H, D = 2, 3 * BLOCK - 10, 2, 16
+    q, k, v = make_qkv(B, T, H, D, device=device, seed=4)
+    g = torch.Generator().manual_seed(5)
+    shape = {"T": (T,), "BT": (B, T), "B11T": (B, 1, 1, T)}[bias_shape]
+    bias = (torch.randn(shape, generator=g) * 2).to(device)
+    bias[..., 7] = -math.inf                          # a masked key: its gradient is 0
+    w = torch.randn(B, T, H, D, generator=g).to(device)
+    grads = {}
+    for backend in ("sdpa", "reference"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias)]
+        out = solattn.sol_attn(*leaves[:3], topk_ratio=0.4, tail=tail, key_bias=leaves[3],
+                               backend=backend)
+        (out * w).sum().backward()
+        grads[backend] = [x.grad for x in leaves]
+    for name, a, b in zip("qkvb", grads["sdpa"], grads["reference"]):
+        assert a is not None and b is not None and a.shape == b.shape, name
+        assert rel_l2(a, b) < 1e-4, name
+    assert grads["sdpa"][3].abs().sum() > 0
+
+
+def test_key_bias_gradient_bool_bias_has_none_and_bias_only_grad_works():
+    q, k, v = make_qkv(1, 130, 2, 16, seed=6)
+    keep = torch.ones(130, dtype=torch.bool)
+    keep[3] = False
+    out = solattn.sol_attn(q.requires_grad_(True), k, v, topk_ratio=0.5, key_bias=keep)
+    out.sum().backward()                                   # bool bias: no gradient, no error
+    bias = torch.randn(130, requires_grad=True)            # only the bias requires grad
+    out = solattn.sol_attn(q.detach(), k, v, topk_ratio=0.5, key_bias=bias, backend="sdpa")
+    out.sum().backward()
+    want = torch.randn(130, requires_grad=True)
+    with torch.no_grad():
+        want.copy_(bias)
+    solattn.sol_attn(q.detach(), k, v, topk_ratio=0.5, key_bias=want, backend="reference").sum().backward()
+    assert rel_l2(bias.grad, want.grad) < 1e-4
+
+
+def test_key_bias_gradient_from_a_backend_that_drops_it_is_an_error(monkeypatch):
+    """A differentiable backend whose forward detaches key_bias must not yield a silent None."""
+    from dataclasses import replace
+    from solattn.backends.sdpa import SdpaBackend, sdpa_forward
+
+    class Detaching(SdpaBackend):
+        name = "detaching"
+
+        def forward(self, problem, plan):
+            kb = problem.key_bias
+            return sdpa_forward(replace(problem, key_bias=None if kb is None else kb.detach()), plan)
+
+    monkeypatch.setitem(dispatch._REGISTRY, "detaching", Detaching())
+    q, k, v = make_qkv(1, 130, 2, 16, seed=6)
+    bias = torch.randn(130, requires_grad=True)
+    out = solattn.sol_attn(q.requires_grad_(True), k, v, topk_ratio=0.5, key_bias=bias,
+                           backend="detaching")
+    with pytest.raises(solattn.BackendError, match="'detaching' cannot differentiate argument 'key_bias'"):
+        out.sum().backward()
