@@ -502,3 +502,47 @@ def test_key_bias_gradient_from_a_backend_that_drops_it_is_an_error(monkeypatch)
                            backend="detaching")
     with pytest.raises(solattn.BackendError, match="'detaching' cannot differentiate argument 'key_bias'"):
         out.sum().backward()
+
+
+def test_sdpa_grouping_splits_rows_by_count_mask_and_raggedness():
+    from solattn.backends.sdpa.grouping import group_rows
+    counts = torch.tensor([3, 1, 3, 3, 1, 2])
+    masked = torch.tensor([False, True, True, False, True, False])
+    ragged = torch.tensor([False, False, False, True, True, False])
+    got = {(g.count, g.masked, g.ragged): g.rows.tolist() for g in group_rows(counts, masked, ragged)}
+    assert got == {(1, True, False): [1], (1, True, True): [4], (2, False, False): [5],
+                   (3, False, False): [0], (3, False, True): [3], (3, True, False): [2]}
+    assert [(g.count, g.rows.tolist()) for g in group_rows(counts, None, None)] == \
+        [(1, [1, 4]), (2, [5]), (3, [0, 2, 3])]
+
+
+def test_sdpa_grouping_finds_query_blocks_touching_dead_keys():
+    from solattn.backends.sdpa.grouping import needs_mask, touches_dead_keys
+    T = 6 * BLOCK
+    q, k, v = make_qkv(2, T, 2, 16, seed=8)
+    bl = torch.tensor([64, 10, 64, 64, 64, 64], dtype=torch.int32)
+    plan = solattn.build_plan(solattn.validate(q, k, v, topk_ratio=0.2, block_len=bl, tail=False))
+    got = touches_dead_keys(plan)
+    B, H, n = plan.kv_num_blocks.shape
+    for b in range(B):
+        for h in range(H):
+            for i in range(n):
+                kept = plan.kv_indices[b, h, i, :plan.kv_num_blocks[b, h, i]].tolist()
+                assert bool(got[b, h, i]) == (1 in kept), (b, h, i, kept)
+    assert torch.equal(needs_mask(plan, any_bias=False, tail=False), got)
+    assert needs_mask(plan, any_bias=True, tail=False).all()
+    full = solattn.build_plan(solattn.validate(q, k, v, topk_ratio=0.2, tail=False))
+    assert needs_mask(full, any_bias=False, tail=False) is None       # nothing to mask: no mask
+
+
+def test_sdpa_memory_model_sizes_chunks_within_the_budget():
+    from solattn.backends.sdpa.memory import ChunkShape, chunk_bytes, rows_per_chunk
+    s = ChunkShape(q_rows=64, key_blocks=5, D=128, elt=2, mask_elt=2, tail=True)
+    assert chunk_bytes(3, s) == 3 * chunk_bytes(1, s)
+    assert chunk_bytes(1, s) > chunk_bytes(1, ChunkShape(64, 5, 128, 2, 0, False))
+    cuda = torch.device("cuda")                                        # no cap off the CPU
+    for budget in (1, 10 << 20, 1 << 30):
+        rows = rows_per_chunk(budget, s, cuda)
+        assert rows >= 1 and (rows == 1 or chunk_bytes(rows, s) <= budget)
+        assert chunk_bytes(rows + 1, s) > budget
+    assert chunk_bytes(rows_per_chunk(1 << 30, s, torch.device("cpu")), s) <= 32 << 20
