@@ -14,7 +14,7 @@ from ...routing import Plan, live_token_mask
 from ...validation import BLOCK, Problem
 from . import masks
 from .grouping import Group, group_rows, needs_mask
-from .layout import RowTable, Workspace, block_tokens, zero_dead
+from .layout import RowTable, Workspace, zero_dead
 from .memory import TAIL_ROWS, ChunkShape, fixed_bytes, rows_per_chunk
 
 #: working memory beyond inputs, output and the routing plan, bytes (``solattn.set_memory_budget``,
@@ -39,6 +39,7 @@ class _Call:
     indices: torch.Tensor              # (B H n, M) int64 exact key blocks per row
     slot_bias: Optional[torch.Tensor]  # (Bk n, 64) fp32 per key slot, or None
     live: Optional[torch.Tensor]       # (n, 64) bool live rows, when block_len is given
+    out: RowTable                      # row numbers of the (contiguous) output
     mdt: torch.dtype
     work: Workspace
 
@@ -52,7 +53,8 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     grad = p.requires_grad or (torch.is_grad_enabled() and p.key_bias is not None
                                and p.key_bias.requires_grad)
     slot_bias = masks.key_slot_bias(p, plan)
-    call = _Call(p=p, plan=plan, q=RowTable(p.q), k=RowTable(p.k), v=RowTable(p.v),
+    out = new_output((B, T, H, D), dt, dev)
+    call = _Call(p=p, plan=plan, q=RowTable(p.q), k=RowTable(p.k), v=RowTable(p.v), out=RowTable(out),
                  indices=plan.kv_indices.reshape(B * H * n, -1).long(),
                  slot_bias=None if slot_bias is None else slot_bias.flatten(0, 1),
                  live=live_token_mask(plan.block_len) if p.block_len is not None else None,
@@ -65,7 +67,6 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     chunk_budget = nbytes - fixed_bytes(B, T, H, n, 0 if slot_bias is None else slot_bias.shape[0],
                                         masked is not None)
     elt, mask_elt = torch.finfo(dt).bits // 8, torch.finfo(call.mdt).bits // 8
-    out = new_output((B, T, H, D), dt, dev)
     for g in groups:
         shape = ChunkShape(q_rows=T - BLOCK * (n - 1) if g.ragged else BLOCK, key_blocks=g.count,
                            D=D, elt=elt, mask_elt=mask_elt if g.masked else 0, tail=tail)
@@ -84,16 +85,16 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
     H, n, T, D = p.H, p.n, p.T, p.D
     nr, c, Lq = rows.shape[0], g.count, s.q_rows
     b, h, i = rows // (H * n), (rows // n) % H, rows % n
-    bc, hc = b[:, None], h[:, None]
     blocks = call.indices[rows, :c]                                          # (nr, c)
 
-    q_tok = block_tokens(i[:, None], T, Lq)                                  # (nr, Lq)
-    k_tok = block_tokens(blocks, T)                                          # (nr, c 64)
+    q = call.q.gather(call.q.block_rows(b, h, i[:, None], Lq), work, "q")   # (nr, Lq, D)
+    k_rows = call.k.block_rows(b, h, blocks)                                 # (nr, c 64)
+    v_rows = call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides else k_rows
     if s.tail:  # slots for the tail rows, overwritten in _append_tail
-        k_tok = torch.cat([k_tok, k_tok[:, :TAIL_ROWS]], dim=1)
-    q = call.q.gather(call.q.index(bc, q_tok, hc), work, "q")                # (nr, Lq, D)
-    k = call.k.gather(call.k.index(bc, k_tok, hc), work, "k")                # (nr, L, D)
-    v = call.v.gather(call.v.index(bc, k_tok, hc), work, "v")
+        k_rows = torch.cat([k_rows, k_rows[:, :TAIL_ROWS]], dim=1)
+        v_rows = torch.cat([v_rows, v_rows[:, :TAIL_ROWS]], dim=1)
+    k = call.k.gather(k_rows, work, "k")                                     # (nr, L, D)
+    v = call.v.gather(v_rows, work, "v")
     if call.live is not None:                    # dead rows enter nothing, even holding NaN
         q = zero_dead(q, ~call.live[i, :Lq])
         dead_keys = ~call.live[blocks].flatten(1)
@@ -113,7 +114,7 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
                                        scale=p.scale)[:, 0]                   # (nr, Lq, D)
     if dead is not None and bool(dead.any()):    # every term -inf: SPEC.md says 0, not NaN
         o = torch.where(dead[..., None], torch.zeros((), dtype=o.dtype, device=o.device), o)
-    out_rows = (bc * T + q_tok) * H + hc                                     # out is contiguous
+    out_rows = call.out.block_rows(b, h, i[:, None], Lq)
     out.view(-1, D).index_copy_(0, out_rows.reshape(-1), o.reshape(-1, D))
     return out
 
@@ -149,14 +150,19 @@ def _append_tail(call: _Call, q, k, v, base, b, h, i):
     v[:, E:] = 0
     v[:, E] = plan.tail_value[b, h, i].to(v.dtype)
     residual = (m - m_key.to(torch.float32))[:, :, None]
-    tail_logit = (plan.tail_lse[b, h, i][:, None]
-                  + p.scale * torch.bmm(q.to(torch.float32), residual)[..., 0])   # (nr, Lq)
-    mask = torch.empty(nr, Lq, E + TAIL_ROWS, dtype=torch.float32, device=q.device)
-    mask[:, :, :E] = base[:, None, :]
-    mask[:, :, E] = tail_logit
+    lse = plan.tail_lse[b, h, i]                                             # (nr,)
+    tail_logit = lse[:, None] + p.scale * torch.bmm(q.to(torch.float32), residual)[..., 0]  # (nr, Lq)
+    # Re-centre each query block by its rounded tail_lse (see masks.finish_mask): the exact part
+    # stays one row per block, so building the per-row mask is a single broadcast copy.
+    exact = masks.finish_mask(base, call.mdt, row_shift=lse)                # (nr, E) mask dtype
+    shift = masks.rounded_shift(lse, call.mdt)
+    tail_entry = masks.finish_mask(tail_logit - shift[:, None], call.mdt)   # (nr, Lq)
+    mask = call.work.empty("mask", (nr, Lq, E + TAIL_ROWS), call.mdt, q.device)
+    mask[:, :, :E] = exact[:, None, :]
+    mask[:, :, E] = tail_entry
     mask[:, :, E + 1:] = -math.inf
     dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)     # (nr, Lq)
-    return k, v, masks.finish_mask(mask, call.mdt, row_shift=tail_logit)[:, None], dead
+    return k, v, mask[:, None], dead
 
 
 def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nbytes: int) -> torch.Tensor:

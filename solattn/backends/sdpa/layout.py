@@ -51,11 +51,20 @@ class RowTable:
         rows = sum((size - 1) * s for size, s in zip((B, T, H), self.row_strides)) + 1
         self.rows = x.as_strided((rows, D), (g, x.stride(3)))
         self.D, self.T = D, T
+        n = (T + BLOCK - 1) // BLOCK
+        # row offset of every (block, slot); slots past T read token T - 1 (the caller masks them)
+        tokens = torch.arange(n * BLOCK, device=x.device).clamp_(max=T - 1)
+        self.slot_rows = (tokens * self.row_strides[1]).view(n, BLOCK)
 
-    def index(self, b: torch.Tensor, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """Row numbers of tokens ``t`` (any shape) of (batch, head) pairs ``b``, ``h`` (broadcast)."""
-        sb, st, sh = self.row_strides
-        return b * sb + t * st + h * sh
+    def block_rows(self, b: torch.Tensor, h: torch.Tensor, blocks: torch.Tensor,
+                   slots: int = BLOCK) -> torch.Tensor:
+        """``(N, c * slots)`` row numbers of the first ``slots`` rows of key or query blocks
+        ``blocks`` (``(N, c)``) of (batch, head) pairs ``b``, ``h`` (``(N,)``): one gather and one
+        add per chunk."""
+        sb, _, sh = self.row_strides
+        base = (b * sb + h * sh)[:, None, None]
+        rows = self.slot_rows[:, :slots][blocks]                             # (N, c, slots)
+        return rows.add_(base).flatten(1)
 
     def gather(self, rows: torch.Tensor, work: Workspace, name: str) -> torch.Tensor:
         """``(*rows.shape, D)``: the rows, in a reused buffer when ``work`` is enabled."""
@@ -64,13 +73,6 @@ class RowTable:
             return self.rows.index_select(0, flat).view(*rows.shape, self.D)
         buf = work.empty(name, (flat.numel(), self.D), self.rows.dtype, self.rows.device)
         return torch.index_select(self.rows, 0, flat, out=buf).view(*rows.shape, self.D)
-
-
-def block_tokens(blocks: torch.Tensor, T: int, rows: int = BLOCK) -> torch.Tensor:
-    """``(N, c)`` block numbers -> ``(N, c * rows)`` token numbers of their first ``rows`` rows.
-    Slots past T read token T - 1 (a real row); the caller masks them as keys."""
-    tok = blocks[..., None] * BLOCK + torch.arange(rows, device=blocks.device)
-    return tok.clamp_(max=T - 1).flatten(-2)
 
 
 def zero_dead(x: torch.Tensor, dead: Optional[torch.Tensor]) -> torch.Tensor:

@@ -51,8 +51,16 @@ def key_slot_bias(p: Problem, plan: Plan) -> Optional[torch.Tensor]:
     return bias.view(-1, n, BLOCK).masked_fill(~live, -math.inf)
 
 
-def finish_mask(mask: torch.Tensor, mdt: torch.dtype, row_shift: Optional[torch.Tensor] = None,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rounded_shift(shift: torch.Tensor, mdt: torch.dtype) -> torch.Tensor:
+    """``shift`` rounded to ``mdt`` (fp32; 0 where not finite, and 0 for fp32 masks, which need
+    no re-centring): the constant :func:`finish_mask` subtracts from each row."""
+    if mdt == torch.float32:
+        return torch.zeros_like(shift)
+    c = shift.detach().to(mdt).to(torch.float32)
+    return torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+
+
+def finish_mask(mask: torch.Tensor, mdt: torch.dtype, row_shift: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 mask ``(..., L)`` made safe for SDPA in dtype ``mdt``.
 
     - ``row_shift`` (``mask.shape[:-1]``, finite or -inf), when given, is rounded to ``mdt`` and
@@ -64,10 +72,6 @@ def finish_mask(mask: torch.Tensor, mdt: torch.dtype, row_shift: Optional[torch.
       finite terms). ``-inf`` stays ``-inf``. The clamp passes gradients of in-range entries.
     """
     if row_shift is not None and mdt != torch.float32:
-        c = row_shift.detach().to(mdt).to(torch.float32)
-        mask = mask - torch.where(torch.isfinite(c), c, torch.zeros_like(c))[..., None]
+        mask = mask - rounded_shift(row_shift, mdt)[..., None]
     big = finite_limit(mdt)
-    safe = torch.where(torch.isneginf(mask), mask, mask.clamp(-big, big))
-    if out is not None and not safe.requires_grad:
-        return out.copy_(safe)
-    return safe.to(mdt)
+    return torch.where(torch.isneginf(mask), mask, mask.clamp(-big, big)).to(mdt)
