@@ -66,10 +66,11 @@ def chunk_bytes(rows: int, s: ChunkShape) -> int:
 
 
 def fixed_bytes(B: int, T: int, H: int, n: int, bias_rows: int, masked: bool) -> int:
-    """Per-call tables outside the chunks: the key-slot bias table (and its masked copy), group
-    bookkeeping per query block (keys, masks, row numbers)."""
+    """Per-call tables outside the chunks: the key-slot bias table (and its masked copy), the
+    row offsets of every (block, slot) of q, k, v and the output, group bookkeeping per query
+    block (keys, masks, row numbers)."""
     table = 2 * bias_rows * n * BLOCK * 4 if masked else 0
-    return table + B * H * n * 8 * 4
+    return table + 4 * n * BLOCK * _INDEX + B * H * n * 8 * 4
 
 
 def rows_per_chunk(budget: int, s: ChunkShape, device: torch.device) -> int:
