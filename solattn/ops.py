@@ -39,18 +39,27 @@ def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
     return chosen.forward(problem, plan)
 
 
-def recompute_grads(forward, inputs, grad_out, requested: Optional[str]):
+def recompute_grads(forward, inputs, grad_out, requested: Optional[str], required=()):
     """Gradients of a custom op by recomputation: ``forward(leaves, backend_name)`` runs again with
     autograd on detached copies of ``inputs`` (``None`` entries stay ``None``) through
     :func:`dispatch.differentiable_request`'s backend, or the device's first differentiable one.
-    Returns one gradient (or ``None``) per input."""
+    Returns one gradient (or ``None``) per input. ``required`` maps input positions to names
+    whose gradient must exist: a backend whose graph does not reach one is an error, not a
+    silent ``None``."""
     name = dispatch.differentiable_request(requested)
     leaves = [t.detach().requires_grad_(True) if t is not None else None for t in inputs]
     with torch.enable_grad(), dispatch.without_forced_backend():
         out = forward(leaves, name)
         wanted = [t for t in leaves if t is not None]
         grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-    return [next(grads) if t is not None else None for t in leaves]
+    result = [next(grads) if t is not None else None for t in leaves]
+    for pos, arg in dict(required).items():
+        if leaves[pos] is not None and result[pos] is None:
+            used = f"backend '{name}'" if name else "the device's first differentiable backend"
+            raise dispatch.BackendError(
+                f"{used} cannot differentiate argument '{arg}' (its forward records no autograd "
+                f"through it); pass backend='sdpa' or backend='reference' for the backward pass")
+    return result
 
 
 @torch.library.custom_op("solattn::sol_attn", mutates_args=())
@@ -81,14 +90,18 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out):
     q, k, v, key_bias, block_len, coarse_gate = ctx.saved_tensors
     tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend = ctx.args
+    # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
+    bias_leaf = key_bias if ctx.needs_input_grad[7] and key_bias.is_floating_point() else None
 
     def forward(leaves, name):
-        qd, kd, vd, gd = leaves
-        return run_problem(validate(qd, kd, vd, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio,
-                                    tail, block_len, gd, token_aug), name)
+        qd, kd, vd, gd, bd = leaves
+        return run_problem(validate(qd, kd, vd, tau, scale, sink_blocks, sink_q,
+                                    key_bias if bd is None else bd, topk_ratio, tail, block_len, gd,
+                                    token_aug), name)
 
-    gq, gk, gv, gg = recompute_grads(forward, (q, k, v, coarse_gate), grad_out, backend or None)
-    return gq, gk, gv, None, None, None, None, None, None, None, None, gg, None, None
+    gq, gk, gv, gg, gb = recompute_grads(forward, (q, k, v, coarse_gate, bias_leaf), grad_out,
+                                         backend or None, required={4: "key_bias"})
+    return gq, gk, gv, None, None, None, None, gb, None, None, None, gg, None, None
 
 
 _sol_attn_op.register_autograd(_backward, setup_context=_setup_context)
@@ -109,7 +122,8 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
         sink_blocks: ``[start, end)`` key blocks every query attends exactly.
         sink_q: ``[start, end)`` query blocks that attend every key exactly.
         key_bias: additive per-key bias ``(T,)``, ``(B, T)``, ``(1, T)`` or ``(B|1, 1, 1, T)``, float or
-            bool (True = keep); exact branch only.
+            bool (True = keep); exact branch only. A float ``key_bias`` that requires grad gets its
+            gradient (a bool one has none); a backend that cannot differentiate it raises.
         topk_ratio: 0 for tau mode, else the fraction ``0 < r < 1`` of key blocks kept by score.
         tail: add the pooled term of the non-routed blocks.
         block_len: ``(ceil(T/64),)`` int32 live rows at the front of each block.

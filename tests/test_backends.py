@@ -222,10 +222,10 @@ def test_sdpa_gradients_match_reference(device, kw):
 @pytest.mark.parametrize("device", SDPA_DEVICES)
 def test_sdpa_writes_every_output_element(device, monkeypatch):
     from solattn.backends import sdpa as sdpamod
-    monkeypatch.setattr(sdpamod, "_new_output",
+    monkeypatch.setattr(sdpamod.forward, "new_output",
                         lambda shape, dtype, dev: torch.full(shape, math.nan, dtype=dtype, device=dev))
-    real_empty = sdpamod._Workspace.empty                   # reused scratch (block layouts, outputs)
-    monkeypatch.setattr(sdpamod._Workspace, "empty",
+    real_empty = sdpamod.layout.Workspace.empty                   # reused scratch (gathered blocks)
+    monkeypatch.setattr(sdpamod.layout.Workspace, "empty",
                         lambda self, *a, **kw: real_empty(self, *a, **kw).fill_(math.nan))
     for T, kw in ((1, {}), (200, dict(topk_ratio=0.3)), (257, dict(tau=0.4, tail=False)),
                   (128, dict(tau=0.0, key_bias=torch.zeros(128, dtype=torch.bool)))):
@@ -285,7 +285,7 @@ def test_sdpa_masks_in_input_dtype_as_on_gpus(feature, monkeypatch):
     kw = feats[feature]
     want = solattn.sol_attn(q, k, v, backend="reference", **kw)
     fp32 = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
-    monkeypatch.setattr(sdpamod, "_FP32_MASK_DEVICES", frozenset())
+    monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
     got = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
     live = _live_rows(T, bl) if "block_len" in kw else torch.ones(T, dtype=torch.bool)
     err, err32 = rel_l2(got[:, live], want[:, live]), rel_l2(fp32[:, live], want[:, live])
@@ -344,8 +344,18 @@ def test_huge_finite_biases_stay_finite(backend, device, dtype, monkeypatch, fp3
     for bias in biases:
         got = _run(backend, device, monkeypatch, q, k, v, tau=0.3, tail=False, key_bias=bias)
         want = solattn.sol_attn(q, k, v, tau=0.3, tail=False, key_bias=bias, backend="reference")
+        if bias[0] < -65504 and _fp16_mask(backend, device, dtype):
+            # documented: an fp16 mask holds the bias as -65504 on every key, a constant shift, so
+            # the row is the unbiased softmax (the fp32 reference rounds logit + bias to bias and
+            # averages uniformly instead)
+            want = solattn.sol_attn(q, k, v, tau=0.3, tail=False, backend="reference")
         assert torch.isfinite(got).all()
         assert rel_l2(got, want) < 1e-2
+
+
+def _fp16_mask(backend, device, dtype):
+    from solattn.backends import sdpa as sdpamod
+    return backend == "sdpa" and sdpamod.masks.mask_dtype(torch.device(device), dtype) == torch.float16
 
 
 @pytest.mark.parametrize("backend,device", ROBUST, ids=[f"{b}-{d}" for b, d in ROBUST])
@@ -370,8 +380,171 @@ def test_huge_finite_biases_with_masks_in_input_dtype(dtype, monkeypatch):
     """The GPU mask branch (mask in q's dtype) forced on the CPU: a finite bias beyond the
     dtype's range is clamped into it, not turned into -inf (which zeroed rows on an H200)."""
     from solattn.backends import sdpa as sdpamod
-    monkeypatch.setattr(sdpamod, "_FP32_MASK_DEVICES", frozenset())
-    # An fp16 mask cannot hold finfo(fp32).min: clamped to -65504 it no longer swamps the logits
-    # as it does in the fp32 reference (which then averages uniformly), so that case is bf16 only.
-    test_huge_finite_biases_stay_finite("sdpa", "cpu", dtype, monkeypatch,
-                                        fp32_min=dtype == torch.bfloat16)
+    monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+    test_huge_finite_biases_stay_finite("sdpa", "cpu", dtype, monkeypatch)
+
+
+def _log2_prescaling_sdpa(q, k, v, attn_mask=None, scale=None):
+    """SDPA as fused GPU kernels compute it: (logit + mask) * log2(e) in fp32, then exp2. A row
+    whose scaled terms are all -inf (including finite entries that overflowed) comes out 0."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        s = s + attn_mask.float()
+    z = s * math.log2(math.e)
+    mx = z.amax(dim=-1, keepdim=True)
+    w = torch.exp2(z - torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx))
+    out = (w @ v.float()) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return out.to(v.dtype)
+
+
+@pytest.mark.parametrize("gpu_masks", [False, True], ids=["fp32-mask", "input-dtype-mask"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_huge_finite_bias_survives_log2_prescaling_kernels(dtype, gpu_masks, monkeypatch):
+    """Every finite mask entry times log2(e) stays finite in fp32: a bias of finfo(fp32).min on
+    every key ran as all-zero rows on an H200 when the bf16 mask held -3.39e38."""
+    from solattn.backends import sdpa as sdpamod
+    if gpu_masks:
+        monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+    T = 300
+    q, k, v = make_qkv(1, T, 2, 64, dtype=dtype, seed=22)
+    for tail in (False, True):
+        for bias in (torch.full((T,), torch.finfo(torch.float32).min), torch.full((T,), -1e35)):
+            want = solattn.sol_attn(q, k, v, tau=0.3, tail=tail, key_bias=bias, backend="reference")
+            if _fp16_mask("sdpa", "cpu", dtype) and not tail:
+                want = solattn.sol_attn(q, k, v, tau=0.3, tail=tail, backend="reference")
+            with monkeypatch.context() as m:
+                m.setattr(torch.nn.functional, "scaled_dot_product_attention", _log2_prescaling_sdpa)
+                got = solattn.sol_attn(q, k, v, tau=0.3, tail=tail, key_bias=bias, backend="sdpa")
+            assert torch.isfinite(got).all() and (got != 0).any(), (tail, bias[0])
+            assert rel_l2(got, want) < TOL[dtype] * 10, (tail, bias[0])
+
+
+@pytest.mark.parametrize("gpu_masks", [False, True], ids=["cpu-fp32-mask", "gpu-bf16-mask"])
+def test_sdpa_bf16_tail_error_does_not_grow_with_logits(gpu_masks, monkeypatch):
+    """bf16 inputs are exact; the tail must not make the error grow with |logit| (it did when the
+    keys were centred in fp32 and rounded back to bf16). With the tail the error stays at the level
+    of the same call without it, up to max |logit| ~ 2000, with the mask in fp32 and in bf16."""
+    from solattn.backends import sdpa as sdpamod
+    if gpu_masks:
+        monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+    B, T, H, D = 1, 1024, 2, 128
+    q0, k, v = make_qkv(B, T, H, D, dtype=torch.float32, seed=31)
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    for mult in (1, 16, 256):
+        q = (q0 * mult).to(torch.bfloat16)
+        logit = (D ** -0.5 * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).abs().max().item()
+        errs = {}
+        for tail in (True, False):
+            want = solattn.sol_attn(q.float(), k.float(), v.float(), topk_ratio=0.1, tail=tail,
+                                    backend="reference")
+            got = solattn.sol_attn(q, k, v, topk_ratio=0.1, tail=tail, backend="sdpa")
+            errs[tail] = rel_l2(got, want)
+        assert errs[True] < 1.5 * errs[False] + 2e-4, (mult, logit, errs)
+    assert logit > 1000
+
+
+@pytest.mark.parametrize("device", SDPA_DEVICES)
+@pytest.mark.parametrize("bias_shape", ["T", "BT", "B11T"])
+@pytest.mark.parametrize("tail", [True, False], ids=["tail", "notail"])
+def test_key_bias_gradient_matches_reference_autograd(device, bias_shape, tail):
+    """A float key_bias that requires grad gets the gradient the reference's autograd gives
+    (sdpa's mask, clamp included, is differentiable in the bias); q, k, v's still match too."""
+    B, T, H, D = 2, 3 * BLOCK - 10, 2, 16
+    q, k, v = make_qkv(B, T, H, D, device=device, seed=4)
+    g = torch.Generator().manual_seed(5)
+    shape = {"T": (T,), "BT": (B, T), "B11T": (B, 1, 1, T)}[bias_shape]
+    bias = (torch.randn(shape, generator=g) * 2).to(device)
+    bias[..., 7] = -math.inf                          # a masked key: its gradient is 0
+    w = torch.randn(B, T, H, D, generator=g).to(device)
+    grads = {}
+    for backend in ("sdpa", "reference"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias)]
+        out = solattn.sol_attn(*leaves[:3], topk_ratio=0.4, tail=tail, key_bias=leaves[3],
+                               backend=backend)
+        (out * w).sum().backward()
+        grads[backend] = [x.grad for x in leaves]
+    for name, a, b in zip("qkvb", grads["sdpa"], grads["reference"]):
+        assert a is not None and b is not None and a.shape == b.shape, name
+        assert rel_l2(a, b) < 1e-4, name
+    assert grads["sdpa"][3].abs().sum() > 0
+
+
+def test_key_bias_gradient_bool_bias_has_none_and_bias_only_grad_works():
+    q, k, v = make_qkv(1, 130, 2, 16, seed=6)
+    keep = torch.ones(130, dtype=torch.bool)
+    keep[3] = False
+    out = solattn.sol_attn(q.requires_grad_(True), k, v, topk_ratio=0.5, key_bias=keep)
+    out.sum().backward()                                   # bool bias: no gradient, no error
+    bias = torch.randn(130, requires_grad=True)            # only the bias requires grad
+    out = solattn.sol_attn(q.detach(), k, v, topk_ratio=0.5, key_bias=bias, backend="sdpa")
+    out.sum().backward()
+    want = torch.randn(130, requires_grad=True)
+    with torch.no_grad():
+        want.copy_(bias)
+    solattn.sol_attn(q.detach(), k, v, topk_ratio=0.5, key_bias=want, backend="reference").sum().backward()
+    assert rel_l2(bias.grad, want.grad) < 1e-4
+
+
+def test_key_bias_gradient_from_a_backend_that_drops_it_is_an_error(monkeypatch):
+    """A differentiable backend whose forward detaches key_bias must not yield a silent None."""
+    from dataclasses import replace
+    from solattn.backends.sdpa import SdpaBackend, sdpa_forward
+
+    class Detaching(SdpaBackend):
+        name = "detaching"
+
+        def forward(self, problem, plan):
+            kb = problem.key_bias
+            return sdpa_forward(replace(problem, key_bias=None if kb is None else kb.detach()), plan)
+
+    monkeypatch.setitem(dispatch._REGISTRY, "detaching", Detaching())
+    q, k, v = make_qkv(1, 130, 2, 16, seed=6)
+    bias = torch.randn(130, requires_grad=True)
+    out = solattn.sol_attn(q.requires_grad_(True), k, v, topk_ratio=0.5, key_bias=bias,
+                           backend="detaching")
+    with pytest.raises(solattn.BackendError, match="'detaching' cannot differentiate argument 'key_bias'"):
+        out.sum().backward()
+
+
+def test_sdpa_grouping_splits_rows_by_count_mask_and_raggedness():
+    from solattn.backends.sdpa.grouping import group_rows
+    counts = torch.tensor([3, 1, 3, 3, 1, 2])
+    masked = torch.tensor([False, True, True, False, True, False])
+    ragged = torch.tensor([False, False, False, True, True, False])
+    got = {(g.count, g.masked, g.ragged): g.rows.tolist() for g in group_rows(counts, masked, ragged)}
+    assert got == {(1, True, False): [1], (1, True, True): [4], (2, False, False): [5],
+                   (3, False, False): [0], (3, False, True): [3], (3, True, False): [2]}
+    assert [(g.count, g.rows.tolist()) for g in group_rows(counts, None, None)] == \
+        [(1, [1, 4]), (2, [5]), (3, [0, 2, 3])]
+
+
+def test_sdpa_grouping_finds_query_blocks_touching_dead_keys():
+    from solattn.backends.sdpa.grouping import needs_mask, touches_dead_keys
+    T = 6 * BLOCK
+    q, k, v = make_qkv(2, T, 2, 16, seed=8)
+    bl = torch.tensor([64, 10, 64, 64, 64, 64], dtype=torch.int32)
+    plan = solattn.build_plan(solattn.validate(q, k, v, topk_ratio=0.2, block_len=bl, tail=False))
+    got = touches_dead_keys(plan)
+    B, H, n = plan.kv_num_blocks.shape
+    for b in range(B):
+        for h in range(H):
+            for i in range(n):
+                kept = plan.kv_indices[b, h, i, :plan.kv_num_blocks[b, h, i]].tolist()
+                assert bool(got[b, h, i]) == (1 in kept), (b, h, i, kept)
+    assert torch.equal(needs_mask(plan, any_bias=False, tail=False), got)
+    assert needs_mask(plan, any_bias=True, tail=False).all()
+    full = solattn.build_plan(solattn.validate(q, k, v, topk_ratio=0.2, tail=False))
+    assert needs_mask(full, any_bias=False, tail=False) is None       # nothing to mask: no mask
+
+
+def test_sdpa_memory_model_sizes_chunks_within_the_budget():
+    from solattn.backends.sdpa.memory import ChunkShape, chunk_bytes, rows_per_chunk
+    s = ChunkShape(q_rows=64, key_blocks=5, D=128, elt=2, mask_elt=2, tail=True)
+    assert chunk_bytes(3, s) == 3 * chunk_bytes(1, s)
+    assert chunk_bytes(1, s) > chunk_bytes(1, ChunkShape(64, 5, 128, 2, 0, False))
+    cuda = torch.device("cuda")                                        # no cap off the CPU
+    for budget in (1, 10 << 20, 1 << 30):
+        rows = rows_per_chunk(budget, s, cuda)
+        assert rows >= 1 and (rows == 1 or chunk_bytes(rows, s) <= budget)
+        assert chunk_bytes(rows + 1, s) > budget
+    assert chunk_bytes(rows_per_chunk(1 << 30, s, torch.device("cpu")), s) <= 32 << 20

@@ -37,3 +37,88 @@ def test_sdpa_peak_memory_under_budget_at_T_32768(budget):
     tt_scores = 1 * 2 * 32768 * 32768 * 4          # a T x T fp32 score tensor: 8 GiB
     assert info["working"] < budget + (64 << 20), info      # the budget (+ allocator slack)
     assert info["working"] < tt_scores / 8
+
+
+SMALL_BUDGET_SCRIPT = textwrap.dedent("""
+    import ctypes, json, torch, solattn
+    from solattn.backends.sdpa import sdpa_forward
+    def status(key):  # this process's resident memory (VmRSS) or its peak (VmHWM), bytes
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    B, T, H, D = 1, 262144, 2, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
+    p = solattn.validate(q, k, v, topk_ratio=0.001)
+    plan = solattn.build_plan(p)                     # the plan is not the backend's working memory
+    sdpa_forward(solattn.validate(q[:, :4096], k[:, :4096], v[:, :4096], topk_ratio=0.1),
+                 solattn.build_plan(solattn.validate(q[:, :4096], k[:, :4096], v[:, :4096],
+                                                      topk_ratio=0.1)))   # warm the libraries
+    ctypes.CDLL("libc.so.6").malloc_trim(0)          # freed heap back to the system: RSS counts
+    with open("/proc/self/clear_refs", "w") as f:   # restart the peak (VmHWM) from now
+        f.write("5")
+    before = status("VmRSS")
+    with solattn.memory_budget(BUDGET):
+        out = sdpa_forward(p, plan)
+    peak = status("VmHWM")
+    print(json.dumps({"working": peak - before - out.numel() * out.element_size(),
+                      "finite": bool(torch.isfinite(out).all())}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
+def test_sdpa_small_budget_bounds_working_memory_at_T_262144():
+    """One head's q, k or v alone (32 MiB in bf16) is as large as the whole budget here: the
+    backend must gather from the inputs in budget-sized chunks, not lay heads out."""
+    budget = 32 << 20
+    res = subprocess.run([sys.executable, "-c", f"BUDGET = {budget}\n" + SMALL_BUDGET_SCRIPT],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["finite"]
+    assert info["working"] < budget + (16 << 20), info
+
+
+MODEL_SCRIPT = textwrap.dedent("""
+    import ctypes, json, torch, solattn
+    from solattn.backends.sdpa import forward, memory, sdpa_forward
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    memory.CHUNK_CAP.clear()                          # let the budget alone size the chunks
+    estimates = []
+    real = forward.rows_per_chunk
+    def spy(budget, shape, device):
+        rows = real(budget, shape, device)
+        estimates.append(memory.chunk_bytes(rows, shape))
+        return rows
+    forward.rows_per_chunk = spy
+    B, T, H, D = 1, 16384, 2, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
+    p = solattn.validate(q, k, v, topk_ratio=0.05, key_bias=torch.randn(T))
+    plan = solattn.build_plan(p)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    out = sdpa_forward(p, plan, nbytes=BUDGET)
+    peak = status("VmHWM")
+    print(json.dumps({"working": peak - before - out.numel() * out.element_size(),
+                      "largest_estimate": max(estimates)}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
+def test_memory_model_estimate_bounds_measured_chunk_peak():
+    """The model's estimate for the largest chunk covers what the chunk really takes, and is not
+    wildly pessimistic either (chunks would be needlessly small)."""
+    budget = 192 << 20
+    res = subprocess.run([sys.executable, "-c", f"BUDGET = {budget}\n" + MODEL_SCRIPT],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["largest_estimate"] <= budget
+    assert info["working"] <= info["largest_estimate"] + (8 << 20), info
+    assert info["working"] >= info["largest_estimate"] / 4, info

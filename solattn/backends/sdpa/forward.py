@@ -1,0 +1,177 @@
+"""The portable forward: group query blocks, size chunks by the memory model, gather, call SDPA."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ...budget import BUDGETS
+from ...routing import Plan, live_token_mask
+from ...validation import BLOCK, Problem
+from . import masks
+from .grouping import Group, group_rows, needs_mask
+from .layout import RowTable, Workspace, zero_dead
+from .memory import TAIL_ROWS, ChunkShape, fixed_bytes, rows_per_chunk
+
+#: working memory beyond inputs, output and the routing plan, bytes (``solattn.set_memory_budget``,
+#: ``solattn.memory_budget`` or ``SOLATTN_SDPA_BUDGET``; 1 GiB by default)
+budget = BUDGETS["sdpa"]
+
+
+def new_output(shape, dtype, device) -> torch.Tensor:
+    """The output buffer every element of which the backend writes (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@dataclass
+class _Call:
+    """What every chunk of one call reads."""
+
+    p: Problem
+    plan: Plan
+    q: RowTable
+    k: RowTable
+    v: RowTable
+    indices: torch.Tensor              # (B H n, M) int64 exact key blocks per row
+    slot_bias: Optional[torch.Tensor]  # (Bk n, 64) fp32 per key slot, or None
+    live: Optional[torch.Tensor]       # (n, 64) bool live rows, when block_len is given
+    out: RowTable                      # row numbers of the (contiguous) output
+    mdt: torch.dtype
+    work: Workspace
+
+
+def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.Tensor:
+    """SPEC.md's output for ``p`` from ``plan`` through SDPA. ``(B, T, H, D)``, v's dtype."""
+    B, T, H, D, n = p.B, p.T, p.H, p.D, p.n
+    dev, dt = p.device, p.dtype
+    nbytes = nbytes or budget.bytes
+    tail = plan.tail_lse is not None
+    grad = p.requires_grad or (torch.is_grad_enabled() and p.key_bias is not None
+                               and p.key_bias.requires_grad)
+    slot_bias = masks.key_slot_bias(p, plan)
+    out = new_output((B, T, H, D), dt, dev)
+    call = _Call(p=p, plan=plan, q=RowTable(p.q), k=RowTable(p.k), v=RowTable(p.v), out=RowTable(out),
+                 indices=plan.kv_indices.reshape(B * H * n, -1).long(),
+                 slot_bias=None if slot_bias is None else slot_bias.flatten(0, 1),
+                 live=live_token_mask(plan.block_len) if p.block_len is not None else None,
+                 mdt=masks.mask_dtype(dev, dt), work=Workspace(enabled=not grad))
+    masked = needs_mask(plan, p.key_bias is not None, tail)
+    rows = torch.arange(B * H * n, device=dev)
+    groups = group_rows(plan.kv_num_blocks.reshape(-1),
+                        None if masked is None else masked.reshape(-1),
+                        None if T % BLOCK == 0 else rows % n == n - 1)
+    chunk_budget = nbytes - fixed_bytes(B, T, H, n, 0 if slot_bias is None else slot_bias.shape[0],
+                                        masked is not None)
+    elt, mask_elt = torch.finfo(dt).bits // 8, torch.finfo(call.mdt).bits // 8
+    for g in groups:
+        shape = ChunkShape(q_rows=T - BLOCK * (n - 1) if g.ragged else BLOCK, key_blocks=g.count,
+                           D=D, elt=elt, mask_elt=mask_elt if g.masked else 0, tail=tail)
+        step = rows_per_chunk(chunk_budget, shape, dev)
+        for r0 in range(0, g.rows.shape[0], step):
+            out = _attend_rows(call, g, g.rows[r0:r0 + step], shape, out)
+    if plan.coarse is not None and p.coarse_gate is not None:
+        out = _add_coarse(out, p.coarse_gate, plan.coarse, nbytes)
+    return out
+
+
+def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
+                 out: torch.Tensor) -> torch.Tensor:
+    """One SDPA call for query blocks ``rows`` of group ``g``; writes their output rows."""
+    p, work = call.p, call.work
+    H, n, T, D = p.H, p.n, p.T, p.D
+    nr, c, Lq = rows.shape[0], g.count, s.q_rows
+    b, h, i = rows // (H * n), (rows // n) % H, rows % n
+    blocks = call.indices[rows, :c]                                          # (nr, c)
+
+    q = call.q.gather(call.q.block_rows(b, h, i[:, None], Lq), work, "q")   # (nr, Lq, D)
+    k_rows = call.k.block_rows(b, h, blocks)                                 # (nr, c 64)
+    v_rows = call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides else k_rows
+    if s.tail:  # slots for the tail rows, overwritten in _append_tail
+        k_rows = torch.cat([k_rows, k_rows[:, :TAIL_ROWS]], dim=1)
+        v_rows = torch.cat([v_rows, v_rows[:, :TAIL_ROWS]], dim=1)
+    k = call.k.gather(k_rows, work, "k")                                     # (nr, L, D)
+    v = call.v.gather(v_rows, work, "v")
+    if call.live is not None:                    # dead rows enter nothing, even holding NaN
+        q = zero_dead(q, ~call.live[i, :Lq])
+        dead_keys = ~call.live[blocks].flatten(1)
+        if s.tail:
+            dead_keys = F.pad(dead_keys, (0, TAIL_ROWS))
+        k, v = zero_dead(k, dead_keys), zero_dead(v, dead_keys)
+
+    mask = dead = None
+    if g.masked:
+        base = _key_bias_rows(call, b, blocks)                               # (nr, c 64) fp32
+        if s.tail:
+            k, v, mask, dead = _append_tail(call, q, k, v, base, b, h, i)
+        else:
+            dead = torch.isneginf(base).all(dim=1)[:, None]                  # (nr, 1)
+            mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
+    o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask,
+                                       scale=p.scale)[:, 0]                   # (nr, Lq, D)
+    if dead is not None and bool(dead.any()):    # every term -inf: SPEC.md says 0, not NaN
+        o = torch.where(dead[..., None], torch.zeros((), dtype=o.dtype, device=o.device), o)
+    out_rows = call.out.block_rows(b, h, i[:, None], Lq)
+    out.view(-1, D).index_copy_(0, out_rows.reshape(-1), o.reshape(-1, D))
+    return out
+
+
+def _key_bias_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``(nr, c 64)`` fp32 additive bias of the gathered key slots (zeros without a bias table)."""
+    nr, c = blocks.shape
+    table = call.slot_bias
+    if table is None:
+        return torch.zeros(nr, c * BLOCK, dtype=torch.float32, device=blocks.device)
+    n = call.p.n
+    rows = blocks + (b[:, None] * n if table.shape[0] > n else 0)
+    return table.index_select(0, rows.reshape(-1)).view(nr, c * BLOCK)
+
+
+def _append_tail(call: _Call, q, k, v, base, b, h, i):
+    """Fill the tail slots: the centroid as key and the tail's mean value in the first, masked
+    padding after it. The exact keys are not centred, so the tail's logit carries the centroid:
+    ``tail_lse_i + scale q_t . m``. The key ``m`` rounded to the input dtype gives the bulk of
+    ``scale q_t . m`` (exact products, fp32 sums in the kernel); the rounding residual
+    ``scale q_t . (m - round(m))`` varies per query row ``t``, so it rides in the mask, which then
+    has one row per query row. Returns k, v, the mask in the device's dtype and the all-masked
+    query rows."""
+    p, plan = call.p, call.plan
+    nr, Lq = q.shape[0], q.shape[1]
+    E = base.shape[1]                                                        # exact key slots
+    if k.requires_grad or v.requires_grad:       # keep the gathered tensors out of in-place ops
+        k, v = k.clone(), v.clone()
+    m = plan.key_mean[b, h, 0]                                               # (nr, D) fp32
+    m_key = m.to(k.dtype)
+    k[:, E:] = 0
+    k[:, E] = m_key
+    v[:, E:] = 0
+    v[:, E] = plan.tail_value[b, h, i].to(v.dtype)
+    residual = (m - m_key.to(torch.float32))[:, :, None]
+    lse = plan.tail_lse[b, h, i]                                             # (nr,)
+    tail_logit = lse[:, None] + p.scale * torch.bmm(q.to(torch.float32), residual)[..., 0]  # (nr, Lq)
+    # Re-centre each query block by its rounded tail_lse (see masks.finish_mask): the exact part
+    # stays one row per block, so building the per-row mask is a single broadcast copy.
+    exact = masks.finish_mask(base, call.mdt, row_shift=lse)                # (nr, E) mask dtype
+    shift = masks.rounded_shift(lse, call.mdt)
+    tail_entry = masks.finish_mask(tail_logit - shift[:, None], call.mdt)   # (nr, Lq)
+    mask = call.work.empty("mask", (nr, Lq, E + TAIL_ROWS), call.mdt, q.device)
+    mask[:, :, :E] = exact[:, None, :]
+    mask[:, :, E] = tail_entry
+    mask[:, :, E + 1:] = -math.inf
+    dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)     # (nr, Lq)
+    return k, v, mask[:, None], dead
+
+
+def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``out += (gate * coarse_of_block).to(dtype)`` in place, token chunk by token chunk (bounded memory)."""
+    B, T, H, D = out.shape
+    step = max(BLOCK, (nbytes // max(1, B * H * D * 12)) // BLOCK * BLOCK)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        blocks = torch.arange(t0, t1, device=out.device) // BLOCK
+        cb = coarse[:, :, blocks].permute(0, 2, 1, 3)                 # (B, t1-t0, H, D) fp32
+        out[:, t0:t1] += (gate[:, t0:t1].to(torch.float32) * cb).to(out.dtype)
+    return out

@@ -1,0 +1,60 @@
+"""Grouping query blocks so that each SDPA call sees equal shapes and no padding.
+
+Query blocks ("rows": one per (batch, head, query block), numbered ``(b H + h) n + i``) that keep
+the same number ``c`` of exact key blocks gather key tensors of one length, so a group runs as
+one batched SDPA call. Within a count, blocks that need no mask are kept apart from those that
+do (the device's fastest kernel runs without one), and the ragged last query block (T not a
+multiple of 64) is kept apart because it has fewer than 64 query rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from ...routing import Plan
+from ...validation import BLOCK
+
+
+@dataclass(frozen=True)
+class Group:
+    count: int            # exact key blocks of every row of the group
+    masked: bool          # rows whose keys include a masked slot (bias, dead row, tail)
+    ragged: bool          # rows of the ragged last query block (T % 64 != 0)
+    rows: torch.Tensor    # (N,) int64 row numbers, ascending
+
+
+def touches_dead_keys(plan: Plan) -> torch.Tensor:
+    """``(B, H, n)`` bool: the query block keeps at least one key block with a dead row."""
+    dead_block = plan.block_len < BLOCK                                        # (n,)
+    M = plan.kv_indices.shape[-1]
+    slot_used = torch.arange(M, device=dead_block.device) < plan.kv_num_blocks[..., None]
+    return (dead_block[plan.kv_indices.long()] & slot_used).any(dim=-1)
+
+
+def needs_mask(plan: Plan, any_bias: bool, tail: bool) -> Optional[torch.Tensor]:
+    """``(B, H, n)`` bool of query blocks that need a mask, or None when none does. A key bias
+    or the tail masks every block; otherwise only blocks that keep a key block with dead rows."""
+    if any_bias or tail:
+        return torch.ones(plan.kv_num_blocks.shape, dtype=torch.bool, device=plan.block_len.device)
+    if bool((plan.block_len < BLOCK).any()):
+        return touches_dead_keys(plan)
+    return None
+
+
+def group_rows(counts: torch.Tensor, masked: Optional[torch.Tensor], ragged: Optional[torch.Tensor]
+               ) -> List[Group]:
+    """Split rows by (count, masked, ragged). ``counts``: ``(R,)`` int; ``masked``, ``ragged``:
+    ``(R,)`` bool or None (all False). Groups come in ascending key order; one host sync per group."""
+    key = counts.long() * 4
+    if masked is not None:
+        key = key + masked.long() * 2
+    if ragged is not None:
+        key = key + ragged.long()
+    groups = []
+    for k in torch.unique(key).tolist():
+        rows = torch.nonzero(key == k).squeeze(1)
+        groups.append(Group(count=k // 4, masked=bool(k & 2), ragged=bool(k & 1), rows=rows))
+    return groups

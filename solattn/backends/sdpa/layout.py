@@ -1,0 +1,85 @@
+"""Gathering 64-row blocks of (batch, head) pairs straight from the caller's tensors.
+
+No copy of a whole head is ever made: a ``(B, T, H, D)`` tensor with any strides is read as
+a table of D-element rows (:class:`RowTable`), and a chunk's query, key and value blocks are
+``index_select``-ed from it by row number. Working memory is therefore the chunk's gathers
+only, whatever T and H are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ...validation import BLOCK
+
+
+class Workspace:
+    """Scratch buffers reused by every chunk of one call in inference. With gradients
+    (``enabled=False``) every request allocates, since ``out=`` ops do not record autograd."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.buffers = {}
+
+    def empty(self, name: str, shape, dtype, device) -> torch.Tensor:
+        if not self.enabled:
+            return torch.empty(shape, dtype=dtype, device=device)
+        numel = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+
+class RowTable:
+    """A ``(B, T, H, D)`` tensor as rows of D elements addressed by ``(b, t, h)``.
+
+    The rows are an ``as_strided`` view of the tensor's own storage with row stride
+    ``g = gcd`` of the b, t and h strides, so row ``(b, t, h)`` is number
+    ``(b sB + t sT + h sH) / g``. That holds for every stride pattern (contiguous, permuted
+    from ``(B, H, T, D)``, sliced), so no layout copy is needed.
+    """
+
+    def __init__(self, x: torch.Tensor):
+        B, T, H, D = x.shape
+        strides = [s if size > 1 else 0 for s, size in zip(x.stride()[:3], (B, T, H))]
+        g = math.gcd(*strides) or 1
+        self.row_strides = tuple(s // g for s in strides)        # rows per step in b, t, h
+        rows = sum((size - 1) * s for size, s in zip((B, T, H), self.row_strides)) + 1
+        self.rows = x.as_strided((rows, D), (g, x.stride(3)))
+        self.D, self.T = D, T
+        n = (T + BLOCK - 1) // BLOCK
+        # row offset of every (block, slot); slots past T read token T - 1 (the caller masks them)
+        tokens = torch.arange(n * BLOCK, device=x.device).clamp_(max=T - 1)
+        self.slot_rows = (tokens * self.row_strides[1]).view(n, BLOCK)
+
+    def block_rows(self, b: torch.Tensor, h: torch.Tensor, blocks: torch.Tensor,
+                   slots: int = BLOCK) -> torch.Tensor:
+        """``(N, c * slots)`` row numbers of the first ``slots`` rows of key or query blocks
+        ``blocks`` (``(N, c)``) of (batch, head) pairs ``b``, ``h`` (``(N,)``): one gather and one
+        add per chunk."""
+        sb, _, sh = self.row_strides
+        base = (b * sb + h * sh)[:, None, None]
+        rows = self.slot_rows[:, :slots][blocks]                             # (N, c, slots)
+        return rows.add_(base).flatten(1)
+
+    def gather(self, rows: torch.Tensor, work: Workspace, name: str) -> torch.Tensor:
+        """``(*rows.shape, D)``: the rows, in a reused buffer when ``work`` is enabled."""
+        flat = rows.reshape(-1)
+        if not work.enabled:
+            return self.rows.index_select(0, flat).view(*rows.shape, self.D)
+        buf = work.empty(name, (flat.numel(), self.D), self.rows.dtype, self.rows.device)
+        return torch.index_select(self.rows, 0, flat, out=buf).view(*rows.shape, self.D)
+
+
+def zero_dead(x: torch.Tensor, dead: Optional[torch.Tensor]) -> torch.Tensor:
+    """Zero the dead slots (``dead``: ``x.shape[:-1]`` bool) so that nothing in a dead row,
+    not even a NaN, reaches the arithmetic. In place in inference, out of place with autograd."""
+    if dead is None:
+        return x
+    if x.requires_grad:
+        return x.masked_fill(dead[..., None], 0)
+    return x.masked_fill_(dead[..., None], 0)

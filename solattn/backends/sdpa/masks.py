@@ -1,0 +1,77 @@
+"""Additive SDPA masks: key bias and dead rows per key slot, the tail's per-row logit, and the
+conversion that keeps every entry safe in the dtype the device's SDPA needs.
+
+Masks are built in fp32 (differentiable in ``key_bias``) and converted last by
+:func:`finish_mask`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ...routing import Plan
+from ...validation import BLOCK, Problem
+
+#: Device types whose SDPA computes correctly with an fp32 additive mask on bf16/fp16 inputs.
+#: CUDA is not one: torch 2.11 on an H200 accepted an fp32 mask but returned NaN and wrong rows
+#: once it held -inf; XPU and MPS were never run. Elsewhere the mask takes q's dtype.
+FP32_MASK_DEVICES = frozenset({"cpu"})
+
+#: Largest magnitude a finite mask entry keeps. Fused GPU kernels multiply logit + mask by
+#: log2(e) in fp32 before exponentiating: bf16's own limit (3.39e38) times 1.44 overflows to
+#: -inf there and the row reads as fully masked (all-zero output). 1e30 leaves room for that
+#: factor plus any logit, and still swamps every logit (its fp32 ulp is ~7e22).
+MASK_LIMIT = 1e30
+
+
+def mask_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """Additive masks in fp32 where the device's SDPA is known to handle them, else q's dtype."""
+    return torch.float32 if device.type in FP32_MASK_DEVICES else dtype
+
+
+def finite_limit(mdt: torch.dtype) -> float:
+    """The clamp bound of finite mask entries in dtype ``mdt`` (fp16: its own max, 65504)."""
+    return min(MASK_LIMIT, torch.finfo(mdt).max)
+
+
+def key_slot_bias(p: Problem, plan: Plan) -> Optional[torch.Tensor]:
+    """``(Bk, n, 64)`` fp32 additive bias per key slot: ``key_bias``, ``-inf`` on dead rows and
+    rows past T. None when no key is ever masked. Differentiable in ``key_bias``."""
+    n, T = p.n, p.T
+    if p.key_bias is None and p.block_len is None and T % BLOCK == 0:
+        return None
+    live = torch.arange(BLOCK, device=p.device)[None, :] < plan.block_len[:, None]   # (n, 64)
+    if p.key_bias is None:
+        bias = torch.zeros(1, n * BLOCK, dtype=torch.float32, device=p.device)
+    else:
+        bias = torch.nn.functional.pad(p.key_bias.to(torch.float32), (0, n * BLOCK - T))
+    return bias.view(-1, n, BLOCK).masked_fill(~live, -math.inf)
+
+
+def rounded_shift(shift: torch.Tensor, mdt: torch.dtype) -> torch.Tensor:
+    """``shift`` rounded to ``mdt`` (fp32; 0 where not finite, and 0 for fp32 masks, which need
+    no re-centring): the constant :func:`finish_mask` subtracts from each row."""
+    if mdt == torch.float32:
+        return torch.zeros_like(shift)
+    c = shift.detach().to(mdt).to(torch.float32)
+    return torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+
+
+def finish_mask(mask: torch.Tensor, mdt: torch.dtype, row_shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fp32 mask ``(..., L)`` made safe for SDPA in dtype ``mdt``.
+
+    - ``row_shift`` (``mask.shape[:-1]``, finite or -inf), when given, is rounded to ``mdt`` and
+      subtracted from its row (a softmax does not change when every logit of a row moves by one
+      constant). The tail's entry then becomes a small residual, held precisely in bf16, and an
+      unbiased exact key's entry ``-round(shift)`` is exactly representable.
+    - Finite entries are clamped to ``±finite_limit(mdt)``: a huge finite bias (fp32 ``finfo.min``)
+      stays a finite term instead of becoming ``-inf`` (which zeroes a row SPEC.md says has
+      finite terms). ``-inf`` stays ``-inf``. The clamp passes gradients of in-range entries.
+    """
+    if row_shift is not None and mdt != torch.float32:
+        mask = mask - rounded_shift(row_shift, mdt)[..., None]
+    big = finite_limit(mdt)
+    return torch.where(torch.isneginf(mask), mask, mask.clamp(-big, big)).to(mdt)
