@@ -518,13 +518,13 @@ def test_sdpa_grouping_splits_rows_by_count_mask_and_raggedness():
         [(1, [1, 4]), (2, [5]), (3, [0, 2, 3])]
 
 
-def test_sdpa_grouping_finds_query_blocks_touching_dead_keys():
-    from solattn.backends.sdpa.grouping import needs_mask, touches_dead_keys
+def test_plan_marks_query_blocks_touching_dead_keys():
+    from solattn.backends.sdpa.grouping import needs_mask
     T = 6 * BLOCK
     q, k, v = make_qkv(2, T, 2, 16, seed=8)
     bl = torch.tensor([64, 10, 64, 64, 64, 64], dtype=torch.int32)
-    plan = solattn.build_plan(solattn.validate(q, k, v, topk_ratio=0.2, block_len=bl, tail=False))
-    got = touches_dead_keys(plan)
+    plan = build_plan(validate(q, k, v, topk_ratio=0.2, block_len=bl, tail=False))
+    got = plan.touches_dead
     B, H, n = plan.kv_num_blocks.shape
     for b in range(B):
         for h in range(H):
@@ -533,7 +533,7 @@ def test_sdpa_grouping_finds_query_blocks_touching_dead_keys():
                 assert bool(got[b, h, i]) == (1 in kept), (b, h, i, kept)
     assert torch.equal(needs_mask(plan, any_bias=False, tail=False), got)
     assert needs_mask(plan, any_bias=True, tail=False).all()
-    full = solattn.build_plan(solattn.validate(q, k, v, topk_ratio=0.2, tail=False))
+    full = build_plan(validate(q, k, v, topk_ratio=0.2, tail=False))
     assert needs_mask(full, any_bias=False, tail=False) is None       # nothing to mask: no mask
 
 

@@ -41,6 +41,8 @@ def test_sdpa_peak_memory_under_budget_at_T_32768(budget):
 
 SMALL_BUDGET_SCRIPT = textwrap.dedent("""
     import ctypes, json, torch, solattn
+    from solattn.routing import build_plan
+    from solattn.validation import validate
     from solattn.backends.sdpa import sdpa_forward
     def status(key):  # this process's resident memory (VmRSS) or its peak (VmHWM), bytes
         for line in open("/proc/self/status"):
@@ -49,10 +51,10 @@ SMALL_BUDGET_SCRIPT = textwrap.dedent("""
     B, T, H, D = 1, 262144, 2, 64
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
-    p = solattn.validate(q, k, v, topk_ratio=0.001)
-    plan = solattn.build_plan(p)                     # the plan is not the backend's working memory
-    sdpa_forward(solattn.validate(q[:, :4096], k[:, :4096], v[:, :4096], topk_ratio=0.1),
-                 solattn.build_plan(solattn.validate(q[:, :4096], k[:, :4096], v[:, :4096],
+    p = validate(q, k, v, topk_ratio=0.001)
+    plan = build_plan(p)                     # the plan is not the backend's working memory
+    sdpa_forward(validate(q[:, :4096], k[:, :4096], v[:, :4096], topk_ratio=0.1),
+                 build_plan(validate(q[:, :4096], k[:, :4096], v[:, :4096],
                                                       topk_ratio=0.1)))   # warm the libraries
     ctypes.CDLL("libc.so.6").malloc_trim(0)          # freed heap back to the system: RSS counts
     with open("/proc/self/clear_refs", "w") as f:   # restart the peak (VmHWM) from now
@@ -81,6 +83,8 @@ def test_sdpa_small_budget_bounds_working_memory_at_T_262144():
 
 MODEL_SCRIPT = textwrap.dedent("""
     import ctypes, json, torch, solattn
+    from solattn.routing import build_plan
+    from solattn.validation import validate
     from solattn.backends.sdpa import forward, memory, sdpa_forward
     def status(key):
         for line in open("/proc/self/status"):
@@ -97,8 +101,8 @@ MODEL_SCRIPT = textwrap.dedent("""
     B, T, H, D = 1, 16384, 2, 128
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
-    p = solattn.validate(q, k, v, topk_ratio=0.05, key_bias=torch.randn(T))
-    plan = solattn.build_plan(p)
+    p = validate(q, k, v, topk_ratio=0.05, key_bias=torch.randn(T))
+    plan = build_plan(p)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")

@@ -26,21 +26,13 @@ class Group:
     rows: torch.Tensor    # (N,) int64 row numbers, ascending
 
 
-def touches_dead_keys(plan: Plan) -> torch.Tensor:
-    """``(B, H, n)`` bool: the query block keeps at least one key block with a dead row."""
-    dead_block = plan.block_len < BLOCK                                        # (n,)
-    M = plan.kv_indices.shape[-1]
-    slot_used = torch.arange(M, device=dead_block.device) < plan.kv_num_blocks[..., None]
-    return (dead_block[plan.kv_indices.long()] & slot_used).any(dim=-1)
-
-
 def needs_mask(plan: Plan, any_bias: bool, tail: bool) -> Optional[torch.Tensor]:
     """``(B, H, n)`` bool of query blocks that need a mask, or None when none does. A key bias
     or the tail masks every block; otherwise only blocks that keep a key block with dead rows."""
     if any_bias or tail:
         return torch.ones(plan.kv_num_blocks.shape, dtype=torch.bool, device=plan.block_len.device)
     if bool((plan.block_len < BLOCK).any()):
-        return touches_dead_keys(plan)
+        return plan.touches_dead
     return None
 
 
