@@ -13,6 +13,7 @@ and differentiates that; the selection is treated as constant.
 
 from __future__ import annotations
 
+import contextvars
 from typing import List, Optional, Sequence
 
 import torch
@@ -39,13 +40,16 @@ def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
     return chosen.forward(problem, plan)
 
 
-def recompute_grads(forward, inputs, grad_out, requested: Optional[str], required=()):
+def recompute_grads(forward, inputs, grad_out, requested: Optional[str], required=(), settings=None):
     """Gradients of a custom op by recomputation: ``forward(leaves, backend_name)`` runs again with
     autograd on detached copies of ``inputs`` (``None`` entries stay ``None``) through
     :func:`dispatch.differentiable_request`'s backend, or the device's first differentiable one.
     Returns one gradient (or ``None``) per input. ``required`` maps input positions to names
     whose gradient must exist: a backend whose graph does not reach one is an error, not a
-    silent ``None``."""
+    silent ``None``. ``settings`` (from :func:`forward_settings`) runs the recomputation under the
+    scoped settings (``use_backend``, ``memory_budget``) that were in force at the forward call."""
+    if settings is not None:
+        return settings.run(recompute_grads, forward, inputs, grad_out, requested, required)
     name = dispatch.differentiable_request(requested)
     leaves = [t.detach().requires_grad_(True) if t is not None else None for t in inputs]
     with torch.enable_grad(), dispatch.without_forced_backend():
@@ -60,6 +64,15 @@ def recompute_grads(forward, inputs, grad_out, requested: Optional[str], require
                 f"{used} cannot differentiate argument '{arg}' (its forward records no autograd "
                 f"through it); pass backend='sdpa' or backend='reference' for the backward pass")
     return result
+
+
+def forward_settings():
+    """The caller's scoped settings, for the backward pass. They are context variables, and
+    autograd may run a backward on a worker thread of its own (CUDA) or long after the ``with``
+    block has ended: the recomputation must use the settings the forward ran under."""
+    if torch.compiler.is_compiling():  # Dynamo cannot trace context variables; compiled code
+        return None                    # reads them when the op runs
+    return contextvars.copy_context()
 
 
 @torch.library.custom_op("solattn::sol_attn", mutates_args=())
@@ -85,6 +98,7 @@ def _setup_context(ctx, inputs, output):
         token_aug, backend = inputs
     ctx.save_for_backward(q, k, v, key_bias, block_len, coarse_gate)
     ctx.args = (tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend)
+    ctx.settings = forward_settings()
 
 
 def _backward(ctx, grad_out):
@@ -100,7 +114,7 @@ def _backward(ctx, grad_out):
                                     token_aug), name)
 
     gq, gk, gv, gg, gb = recompute_grads(forward, (q, k, v, coarse_gate, bias_leaf), grad_out,
-                                         backend or None, required={4: "key_bias"})
+                                         backend or None, required={4: "key_bias"}, settings=ctx.settings)
     return gq, gk, gv, None, None, None, None, gb, None, None, None, gg, None, None
 
 

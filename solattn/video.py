@@ -24,7 +24,7 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend
-from .ops import recompute_grads
+from .ops import forward_settings, recompute_grads
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
 
@@ -290,6 +290,7 @@ def _vsa_setup_context(ctx, inputs, output):
     q, k, v, grid, k_vid, gate, scale, backend, segments, mode = inputs
     ctx.save_for_backward(q, k, v, gate)
     ctx.args = (grid, k_vid, scale, backend, segments, mode)
+    ctx.settings = forward_settings()
 
 
 def _vsa_backward(ctx, grad_out):
@@ -298,7 +299,8 @@ def _vsa_backward(ctx, grad_out):
     def forward(leaves, name):
         return _vsa_forward(*leaves[:3], grid, k_vid, leaves[3], scale, name, segments, mode)
 
-    gq, gk, gv, gg = recompute_grads(forward, ctx.saved_tensors, grad_out, backend or None)
+    gq, gk, gv, gg = recompute_grads(forward, ctx.saved_tensors, grad_out, backend or None,
+                                     settings=ctx.settings)
     return gq, gk, gv, None, None, gg, None, None, None, None
 
 

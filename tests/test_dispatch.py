@@ -484,3 +484,25 @@ def test_use_backend_reaches_compiled_calls_at_run_time():
     vsa(qv, kv, vv)
     with solattn.use_backend("reference"), pytest.raises(solattn.BackendError, match="cannot serve VSA"):
         vsa(qv, kv, vv)
+
+
+def test_backward_recomputes_under_the_forward_calls_scoped_settings(monkeypatch):
+    """The backward pass runs after the ``with`` blocks of its forward have ended (and on CUDA
+    in autograd's own thread): it must recompute with the budget and backend of the forward."""
+    from solattn.backends import sdpa as sdpamod
+    from solattn.budget import current_budget
+
+    seen = []
+    real = sdpamod.sdpa_forward
+
+    def spy(problem, plan, *args, **kwargs):
+        seen.append(current_budget("sdpa"))
+        return real(problem, plan, *args, **kwargs)
+
+    monkeypatch.setattr(sdpamod, "sdpa_forward", spy)
+    q, k, v = (torch.randn(1, 256, 2, 16, requires_grad=True) for _ in range(3))
+    with solattn.memory_budget(5 << 20), solattn.use_backend("sdpa"):
+        out = solattn.sol_attn(q, k, v, topk_ratio=0.5)
+    out.sum().backward()
+    assert seen == [5 << 20, 5 << 20]
+    assert q.grad is not None and torch.isfinite(q.grad).all()
