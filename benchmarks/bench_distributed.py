@@ -206,6 +206,24 @@ def table(rows, args, world, dev):
     return "\n".join(lines) + "\n"
 
 
+def exit_without_finalizing(code: int) -> None:
+    """End this rank after the process group is destroyed, skipping interpreter finalisation.
+
+    torch.distributed's Gloo backend keeps its worker threads running after
+    destroy_process_group (they are never joined) and they free finished collectives
+    lazily; a barrier also keeps the collectives still in flight when it was issued alive
+    until the barrier itself is freed. If that happens after the interpreter has started
+    finalising and the freed buffers are tensors Python created, the worker thread needs the
+    GIL, the finalising interpreter ends the thread inside a C++ destructor, and the process
+    dies with "terminate called without an active exception" (SIGABRT) after all its work is
+    done. No order of barrier/destroy calls prevents it, so leave without finalising: every
+    result is already written, and stdout/stderr are flushed here.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="markdown file to write (rank 0)")
@@ -249,6 +267,7 @@ def main():
             f.write(text)
     dist.barrier()
     dist.destroy_process_group()
+    exit_without_finalizing(0)
 
 
 if __name__ == "__main__":

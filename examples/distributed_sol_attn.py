@@ -24,6 +24,24 @@ import solattn.distributed as sd  # noqa: E402
 from solattn.synthetic import block_structured_qkv  # noqa: E402
 
 
+def exit_without_finalizing(code: int) -> None:
+    """End this rank after the process group is destroyed, skipping interpreter finalisation.
+
+    torch.distributed's Gloo backend keeps its worker threads running after
+    destroy_process_group (they are never joined) and they free finished collectives
+    lazily; a barrier also keeps the collectives still in flight when it was issued alive
+    until the barrier itself is freed. If that happens after the interpreter has started
+    finalising and the freed buffers are tensors Python created, the worker thread needs the
+    GIL, the finalising interpreter ends the thread inside a C++ destructor, and the process
+    dies with "terminate called without an active exception" (SIGABRT) after all its work is
+    done. No order of barrier/destroy calls prevents it, so leave without finalising: every
+    result is already written, and stdout/stderr are flushed here.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "xpu", "cpu"], default=None,
@@ -81,7 +99,7 @@ def main():
                   f"-> {'OK' if ok else 'MISMATCH'}", flush=True)
     dist.barrier()                             # rank 0's check done before anyone tears down
     dist.destroy_process_group()
-    sys.exit(1 if failed else 0)
+    exit_without_finalizing(1 if failed else 0)
 
 
 if __name__ == "__main__":
