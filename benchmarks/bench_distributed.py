@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -38,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
+from solattn.bench.report import source_revision  # noqa: E402
 from solattn import dispatch  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
@@ -109,18 +109,6 @@ def fmt(x, spec=".1f"):
     return "n/a" if x is None else format(x, spec)
 
 
-def git_commit():
-    try:
-        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (sha + ("+uncommitted changes" if dirty else "")) or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def run_length(T, args, dev, rank, world):
     B, H, D, dtype = 1, args.heads, args.head_dim, args.dtype
     kw = dict(topk_ratio=args.topk, tail=True)
@@ -181,7 +169,7 @@ def table(rows, args, world, dev):
     lines = [
         f"# solattn.distributed.sol_attn vs one device ({world} x {dname})",
         "",
-        f"commit {git_commit()}, torch {torch.__version__}, "
+        f"source {source_revision()}, torch {torch.__version__}, "
         f"{dist.get_backend()} backend, B=1, H={args.heads}, D={args.head_dim}, "
         f"{str(args.dtype).replace('torch.', '')}, top-k {args.topk:g}, tail on, forward, "
         f"median of {args.reps} (after {args.warmup} warm-up); distributed times are the slowest rank's.",

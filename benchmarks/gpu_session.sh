@@ -7,6 +7,7 @@
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
+export SOLATTN_REVISION=$(cat COMMIT 2>/dev/null)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/h200quick" "$OUT/main"
 cat COMMIT 2>/dev/null

@@ -140,7 +140,7 @@ def environment(cfg: Config) -> Dict[str, str]:
            "torch": torch.__version__, "python": platform.python_version(),
            "cpu threads (torch)": str(torch.get_num_threads()), "cpu cores": str(os.cpu_count()),
            "dtype": DTYPE_NAMES[cfg.dtype], "repeats": f"{cfg.warmup} warm-up + {cfg.repeats} timed (median)"}
-    env["solattn"] = _git_describe()
+    env["solattn"] = source_revision()
     getloadavg = getattr(os, "getloadavg", None)   # absent on Windows
     if getloadavg is not None:
         try:
@@ -150,9 +150,14 @@ def environment(cfg: Config) -> Dict[str, str]:
     return env
 
 
-def _git_describe() -> str:
-    """The solattn source commit (and whether the tree differs from it), when run from a checkout."""
+def source_revision() -> str:
+    """The solattn source commit (and whether the tree differs from it), when run from a checkout.
+    ``SOLATTN_REVISION`` overrides it: a copy of the tree run elsewhere (a GPU machine reached
+    through a file copy) may carry a stale or no ``.git``, and its runner knows the commit."""
     import subprocess
+    given = os.environ.get("SOLATTN_REVISION", "").strip()
+    if given:
+        return f"git {given} (SOLATTN_REVISION)"
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the solattn package
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
