@@ -126,7 +126,7 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
              key_bias: Optional[Tensor] = None, topk_ratio: float = 0.0, tail: bool = True,
              block_len: Optional[Tensor] = None, coarse_gate: Optional[Tensor] = None,
              token_aug: int = 0, *, backend: Optional[str] = None) -> Tensor:
-    """Block-sparse Sol-Attn (``../shared/SPEC.md``): exact attention on routed 64-token key
+    """Block-sparse Sol-Attn (docs/SPEC.md): exact attention on routed 64-token key
     blocks, a pooled term for the rest, and an optional gated coarse branch.
 
     Args:

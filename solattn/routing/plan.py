@@ -200,12 +200,12 @@ def assemble_plan(problem: Problem, stats: BlockStats, select: Selector, tail: b
             del lse, tv
         del exact
         if coarse:
-            c = coarse_rows(qm[g0:g1, i0:i1], km[g0:g1], vm[g0:g1], problem.scale)
+            part = coarse_rows(qm[g0:g1, i0:i1], km[g0:g1], vm[g0:g1], problem.scale)
             if graph:
-                coarse_parts.append(c)
+                coarse_parts.append(part)
             else:
-                coarse_out[g0:g1, i0:i1] = c
-            del c
+                coarse_out[g0:g1, i0:i1] = part
+            del part
     if kv_indices.shape[-1] != M:
         kv_indices = kv_indices[..., :M].contiguous()
     if graph:
