@@ -26,7 +26,7 @@ if __name__ == "__main__":  # worker: import this checkout's package
 
 import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
-from solattn.synthetic import block_structured_qkv  # noqa: E402
+from solattn.testing import block_structured_qkv  # noqa: E402
 
 WORLD = 2
 RUN_TIMEOUT_S = 240  # both processes, every case; a healthy run takes ~15 s on a busy 2-core machine
