@@ -39,9 +39,9 @@ import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
 from solattn.bench.report import source_revision  # noqa: E402
 from solattn import dispatch  # noqa: E402
+from solattn.testing import block_structured_qkv, rel_l2  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
-BLOCK = 64
 
 
 def sync(dev):
@@ -91,20 +91,6 @@ def reduce_max(x: float, dev) -> float:
     return t.item()
 
 
-def block_structured(B, T, H, D, dtype, dev, seed):
-    """q, k, v with per-64-token-block offsets (well separated routing scores), drawn on the
-    device from a seeded generator so every rank gets the same whole tensors."""
-    g = torch.Generator(device=dev).manual_seed(seed)
-    n = -(-T // BLOCK)
-    out = []
-    for _ in range(3):
-        x = torch.randn(B, T, H, D, device=dev, generator=g).mul_(0.5)
-        x += torch.randn(B, n, 1, H, D, device=dev, generator=g).mul_(2.0).expand(B, n, BLOCK, H, D) \
-            .reshape(B, n * BLOCK, H, D)[:, :T]
-        out.append(x.mul_(D ** -0.25).to(dtype))
-    return out
-
-
 def fmt(x, spec=".1f"):
     return "n/a" if x is None else format(x, spec)
 
@@ -114,7 +100,7 @@ def run_length(T, args, dev, rank, world):
     kw = dict(topk_ratio=args.topk, tail=True)
     lens = sd.shard_lengths(T, world)
     sl = slice(sum(lens[:rank]), sum(lens[:rank + 1]))
-    whole = block_structured(B, T, H, D, dtype, dev, seed=T)
+    whole = block_structured_qkv(B, T, H, D, dtype, dev, seed=T, spread=2.0, normalise=True)
     shards = [x[:, sl].clone() for x in whole]
     del whole
     row = dict(T=T, lens=lens)
@@ -138,7 +124,7 @@ def run_length(T, args, dev, rank, world):
     out = sd.gather(distributed())
     if rank == 0:
         a, b = out.double(), ref.double()
-        row["rel_l2"] = ((a - b).norm() / b.norm()).item()
+        row["rel_l2"] = rel_l2(a, b)
         row["max_abs"] = (a - b).abs().max().item()
     del out, ref
     row["dist_ms"] = reduce_max(median_ms(distributed, dev, args.reps, args.warmup, barrier=True), dev)

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import solattn  # noqa: E402
+from solattn import BLOCK  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 from solattn.backends import reference  # noqa: E402
@@ -61,7 +62,6 @@ from solattn.bench import flop_count, log, make_inputs, measure_peak, rel_l2, sy
 
 from kernel_variants import VARIANTS, run_variant  # noqa: E402
 
-BLOCK = 64
 T0 = time.time()
 LOG = []
 

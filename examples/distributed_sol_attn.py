@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
-from solattn.synthetic import block_structured_qkv  # noqa: E402
+from solattn.testing import block_structured_qkv  # noqa: E402
 
 
 def exit_without_finalizing(code: int) -> None:

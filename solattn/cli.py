@@ -15,19 +15,16 @@ import torch
 from . import dispatch
 from .bench.parsing import ArgParser, device_arg
 from .routing import build_plan, live_lengths, live_token_mask
-from .synthetic import block_structured_qkv
+from .testing import block_structured_qkv
 from .validation import validate
 
 
 def _devices() -> List[str]:
-    devs = ["cpu"]
-    if torch.cuda.is_available():
-        devs += [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        devs += [f"xpu:{i} ({torch.xpu.get_device_name(i)})" for i in range(torch.xpu.device_count())]
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        devs.append("mps")
-    return devs
+    """Present devices, GPUs with their names."""
+    def named(d):
+        kind = d.split(":")[0]
+        return f"{d} ({getattr(torch, kind).get_device_name(int(d.split(':')[1]))})" if kind in ("cuda", "xpu") else d
+    return [named(d) for d in dispatch.present_devices()]
 
 
 def info(args) -> int:

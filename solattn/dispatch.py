@@ -240,12 +240,21 @@ def list_backends(device=None) -> List[dict]:
     return out
 
 
+def present_devices() -> List[str]:
+    """Device names this torch can use here: ``cpu``, then ``cuda:i``, ``xpu:i``, ``mps``."""
+    devs = ["cpu"]
+    if torch.cuda.is_available():
+        devs += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        devs += [f"xpu:{i}" for i in range(xpu.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devs.append("mps")
+    return devs
+
+
 def best_device() -> torch.device:
     """cuda > xpu > mps > cpu: the first present."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    types = {d.split(":")[0] for d in present_devices()}
+    return torch.device(next(t for t in ("cuda", "xpu", "mps", "cpu") if t in types))

@@ -1,8 +1,10 @@
-"""Every backend that can run x every device present x every feature, against the reference.
+"""Every registered backend x every device it runs on x every feature, against the reference.
 
-Backends are discovered from the registry, so a new backend is tested the day it is
-registered. Inputs carry well-separated block structure (conftest.make_qkv), so the
-routing is unambiguous at every dtype.
+The matrix is generated from the registry (solattn.testing.backend_cases: each backend's
+``devices``, ``dtypes``, ``features``, ``head_dims``), so a new backend is tested the day it
+is registered; a backend that runs on the CPU only through Triton's interpreter joins with
+small problems. Inputs are solattn.testing.make_qkv (well separated blocks), so the selection
+is unambiguous at every dtype.
 """
 
 from __future__ import annotations
@@ -13,26 +15,22 @@ import pytest
 import torch
 
 import solattn
+from solattn import BLOCK, dispatch
 from solattn.routing import build_plan
+from solattn.testing import TOLERANCE as TOL
+from solattn.testing import BackendCase, backend_cases, dense_attention, make_qkv, rel_l2, tolerance
+from solattn.testing import live_rows as _live_rows
 from solattn.validation import validate
-from solattn import dispatch
-from conftest import DEVICES, TOL, make_qkv, rel_l2
 
-BLOCK = 64
-
-
-def runnable(device):
-    """(backend, device) pairs to test: every registered backend other than the oracle that is
-    available on the device."""
-    out = []
-    for info in solattn.list_backends(device):
-        if info["name"] != "reference" and info["available"]:
-            out.append(info["name"])
-    return out
+#: every backend on every device it runs on, the Triton kernel through its CPU interpreter included
+CASES = backend_cases()
+#: the same without interpreted cases, for the longer property tests
+COMPILED = [c for c in CASES if not c.interpreted]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-PAIRS = [(b, d) for d in DEVICES for b in runnable(d)]
-PAIR_IDS = [f"{b}-{d}" for b, d in PAIRS]
+def _ids(cases):
+    return [c.id for c in cases]
 
 
 def _features(B, T, H, D, device, dtype, seed):
@@ -61,132 +59,174 @@ FEATURES = ["topk", "topk-notail", "tau", "tau-notail", "key_bias", "bool_bias",
             "sinks", "coarse_gate", "everything"]
 
 
-def _live_rows(T, bl):
-    live = torch.zeros(T, dtype=torch.bool)
-    L = bl.cpu().clamp(1, BLOCK)
-    for j in range(L.shape[0]):
-        live[j * BLOCK:j * BLOCK + int(L[j])] = True
-    return live
+def _matrix():
+    """(case, dtype, feature) for every dtype the backend declares; interpreted cases take
+    every feature in bf16 and only ``everything`` in the other dtypes (the interpreter is slow)."""
+    out = []
+    for case in CASES:
+        for dtype in DTYPES:
+            if dtype not in case.declared.dtypes:
+                continue
+            for feature in FEATURES:
+                if case.interpreted and dtype != torch.bfloat16 and feature != "everything":
+                    continue
+                out.append(pytest.param(case, dtype, feature, id=f"{case.id}-{str(dtype)[6:]}-{feature}"))
+    return out
 
 
-def supported(backend, device, dtype):
-    b = dispatch.get_backend(backend)
-    return dtype in b.dtypes
-
-
-@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
-@pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_backend_matches_reference(backend, device, feature, dtype):
-    if not supported(backend, device, dtype):
-        pytest.skip(f"{backend} does not take {dtype}")
-    B, T, H, D = 2, 5 * BLOCK - 17, 2, 32
-    q, k, v = make_qkv(B, T, H, D, dtype=dtype, device=device, seed=FEATURES.index(feature))
-    feats, bl = _features(B, T, H, D, device, dtype, seed=len(feature))
+@pytest.mark.parametrize("case,dtype,feature", _matrix())
+def test_backend_matches_reference(case, dtype, feature):
+    """The output equals the reference's within the dtype's tolerance, in v's dtype and q's shape;
+    a backend not declaring a feature the call uses refuses it, naming the feature."""
+    B, T, H, D = 2, 5 * BLOCK - 17, 2, case.head_dim(32)
+    q, k, v = make_qkv(B, T, H, D, dtype=dtype, device=case.device, seed=FEATURES.index(feature))
+    feats, bl = _features(B, T, H, D, case.device, dtype, seed=len(feature))
     kw = feats[feature]
-    got = solattn.sol_attn(q, k, v, backend=backend, **kw)
+    missing = validate(q, k, v, **kw).features - case.declared.features
+    if missing:
+        with pytest.raises(solattn.BackendError, match="feature"):
+            case.run(q, k, v, **kw)
+        return
+    got = case.run(q, k, v, **kw)
     want = solattn.sol_attn(q, k, v, backend="reference", **kw)
     assert got.dtype == dtype and got.shape == q.shape and got.is_contiguous()
     live = _live_rows(T, bl) if "block_len" in kw else torch.ones(T, dtype=torch.bool)
-    assert rel_l2(got.cpu()[:, live], want.cpu()[:, live]) < TOL[dtype]
     assert torch.isfinite(got).all()
+    assert rel_l2(got.cpu()[:, live], want.cpu()[:, live]) < TOL[dtype]
 
 
-@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_backend_refuses_what_it_does_not_declare(case):
+    """Dtypes, head dims and features outside a backend's declaration are refused before any
+    work, with the reason; asking for the backend by name never silently runs another one."""
+    refused = [(dt, 64, {}, "dtype") for dt in DTYPES if dt not in case.declared.dtypes]
+    dims = case.declared.head_dims
+    if dims is not None:
+        odd = next(d for d in range(8, 512, 8) if d not in dims)
+        refused.append((sorted(case.declared.dtypes, key=str)[0], odd, {}, "head dim"))
+    if "coarse_gate" not in case.declared.features:
+        refused.append((sorted(case.declared.dtypes, key=str)[0], 64, {"coarse_gate": True}, "feature"))
+    for dtype, D, extra, reason in refused:
+        q, k, v = make_qkv(1, 70, 1, D, dtype=dtype, device=case.device)
+        kw = {"coarse_gate": q} if extra else {}
+        with pytest.raises(solattn.BackendError, match=reason):
+            case.run(q, k, v, topk_ratio=0.5, **kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_gradients_match_reference(case):
+    """Gradients of a call on the backend (its own backward, or the recompute on a
+    differentiable backend when it is forward-only) equal the reference's."""
+    dtype = torch.float32 if torch.float32 in case.declared.dtypes else torch.bfloat16
+    B, T, H, D = 1, 2 * BLOCK + 9, 2, case.head_dim(16)
+    q, k, v = make_qkv(B, T, H, D, dtype=dtype, device=case.device, seed=12)
+    w = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(1)).to(case.device)
+    grads = {}
+    for name in ("mine", "reference"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        if name == "mine":
+            out = case.run(*leaves, topk_ratio=0.5)
+        else:
+            out = solattn.sol_attn(*leaves, topk_ratio=0.5, backend="reference")
+        (out.float() * w).sum().backward()
+        grads[name] = [x.grad for x in leaves]
+    for x, a, b in zip("qkv", grads["mine"], grads["reference"]):
+        assert a is not None and rel_l2(a, b) < max(tolerance(dtype), 1e-4), x
+
+
+@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
 @pytest.mark.parametrize("T", [1, 30, 64, 65, 129])
-def test_small_and_ragged_lengths(backend, device, T):
-    dtype = torch.float32 if supported(backend, device, torch.float32) else torch.bfloat16
-    q, k, v = make_qkv(1, T, 2, 64, dtype=dtype, device=device, seed=T)
+def test_small_and_ragged_lengths(case, T):
+    dtype = torch.float32 if torch.float32 in case.declared.dtypes else torch.bfloat16
+    q, k, v = make_qkv(1, T, 2, case.head_dim(64), dtype=dtype, device=case.device, seed=T)
     for kw in (dict(topk_ratio=0.5), dict(tau=0.2), dict(tau=-1e9, tail=False)):
-        got = solattn.sol_attn(q, k, v, backend=backend, **kw)
+        got = case.run(q, k, v, **kw)
         want = solattn.sol_attn(q, k, v, backend="reference", **kw)
         assert rel_l2(got, want) < TOL[dtype]
 
 
-@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
-def test_all_blocks_exact_equals_dense(backend, device):
+@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+def test_all_blocks_exact_equals_dense(case):
     dtype = torch.bfloat16
-    q, k, v = make_qkv(2, 300, 2, 64, dtype=dtype, device=device)
+    q, k, v = make_qkv(2, 300, 2, case.head_dim(64), dtype=dtype, device=case.device)
     for tail in (True, False):
-        got = solattn.sol_attn(q, k, v, tau=-1e9, tail=tail, backend=backend)
-        want = torch.nn.functional.scaled_dot_product_attention(
-            *(x.float().transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
-        assert rel_l2(got, want) < 1e-2
+        got = case.run(q, k, v, tau=-1e9, tail=tail)
+        assert rel_l2(got, dense_attention(q, k, v)) < tolerance(dtype)
 
 
-@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
-def test_ties_kk_zero_and_sinks_at_both_edges(backend, device):
-    dtype = torch.float32 if supported(backend, device, torch.float32) else torch.bfloat16
-    T, D = 10 * BLOCK, 64
+@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+def test_ties_kk_zero_and_sinks_at_both_edges(case):
+    dtype = torch.float32 if torch.float32 in case.declared.dtypes else torch.bfloat16
+    T, D = 10 * BLOCK, case.head_dim(64)
     q = torch.zeros(1, T, 1, D)
     k = torch.zeros(1, T, 1, D)
     q[..., 0] = 1.0
     for j, lv in enumerate([0.0, 0.1, 0.2, 5.0, 5.0, 5.0, 5.0, 0.3, 0.4, 0.5]):
         k[0, j * BLOCK:(j + 1) * BLOCK, 0, 0] = lv      # blocks 3..6 tie exactly
     v = torch.randn(1, T, 1, D, generator=torch.Generator().manual_seed(0))
-    q, k, v = (x.to(dtype).to(device) for x in (q, k, v))
+    q, k, v = (x.to(dtype).to(case.device) for x in (q, k, v))
     for kw in (dict(topk_ratio=0.2, tail=False), dict(topk_ratio=0.2),
                dict(topk_ratio=0.9, sink_blocks=(0, 9), tail=False),        # n_eff = 1 -> kk = 0
                dict(topk_ratio=0.2, sink_blocks=(0, 1), sink_q=(9, 10)),
                dict(topk_ratio=0.2, sink_blocks=(9, 10), sink_q=(0, 1))):
-        got = solattn.sol_attn(q, k, v, backend=backend, **kw)
+        got = case.run(q, k, v, **kw)
         want = solattn.sol_attn(q, k, v, backend="reference", **kw)
         assert rel_l2(got, want) < TOL[dtype], kw
 
 
-@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
-def test_strided_permuted_sliced(backend, device):
-    dtype = torch.bfloat16
-    q, k, v = make_qkv(2, 200, 3, 64, dtype=dtype, device=device, seed=5)
-    want = solattn.sol_attn(q, k, v, topk_ratio=0.4, backend=backend)
+@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+def test_strided_permuted_sliced(case):
+    dtype, D = torch.bfloat16, case.head_dim(64)
+    q, k, v = make_qkv(2, 200, 3, D, dtype=dtype, device=case.device, seed=5)
+    want = case.run(q, k, v, topk_ratio=0.4)
     perm = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
-    sliced = [torch.cat([x, torch.randn_like(x)], dim=-1)[..., :64] for x in (q, k, v)]
+    sliced = [torch.cat([x, torch.randn_like(x)], dim=-1)[..., :D] for x in (q, k, v)]
     every_other = [torch.stack([x, torch.randn_like(x)], 1).flatten(0, 1)[::2] for x in (q, k, v)]
     for args in (perm, sliced, every_other):
         assert not args[0].is_contiguous()
-        assert torch.equal(solattn.sol_attn(*args, topk_ratio=0.4, backend=backend), want)
+        assert torch.equal(case.run(*args, topk_ratio=0.4), want)
 
 
-@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
-def test_batch_equals_each_alone_and_repeat_calls_bit_identical(backend, device):
+@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+def test_batch_equals_each_alone_and_repeat_calls_bit_identical(case):
     dtype = torch.bfloat16
-    q, k, v = make_qkv(3, 150, 2, 64, dtype=dtype, device=device, seed=6)
-    full = solattn.sol_attn(q, k, v, topk_ratio=0.4, backend=backend)
-    again = solattn.sol_attn(q, k, v, topk_ratio=0.4, backend=backend)
+    q, k, v = make_qkv(3, 150, 2, case.head_dim(64), dtype=dtype, device=case.device, seed=6)
+    full = case.run(q, k, v, topk_ratio=0.4)
+    again = case.run(q, k, v, topk_ratio=0.4)
     assert torch.equal(full, again)
     for b in range(3):
-        alone = solattn.sol_attn(q[b:b + 1], k[b:b + 1], v[b:b + 1], topk_ratio=0.4, backend=backend)
-        assert rel_l2(full[b:b + 1], alone) < 1e-2
+        alone = case.run(q[b:b + 1], k[b:b + 1], v[b:b + 1], topk_ratio=0.4)
+        assert rel_l2(full[b:b + 1], alone) < tolerance(dtype)
 
 
-@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
-def test_all_masked_rows_are_zero_not_nan(backend, device):
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_all_masked_rows_are_zero_not_nan(case):
     dtype = torch.bfloat16
-    q, k, v = make_qkv(1, 200, 2, 64, dtype=dtype, device=device)
-    none = torch.zeros(200, dtype=torch.bool, device=device)
-    out = solattn.sol_attn(q, k, v, tau=0.0, tail=False, key_bias=none, backend=backend)
+    q, k, v = make_qkv(1, 200, 2, case.head_dim(64), dtype=dtype, device=case.device)
+    none = torch.zeros(200, dtype=torch.bool, device=case.device)
+    out = case.run(q, k, v, tau=0.0, tail=False, key_bias=none)
     assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("backend,device", PAIRS, ids=PAIR_IDS)
-def test_dead_rows_leave_live_outputs_bit_identical(backend, device):
+@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+def test_dead_rows_leave_live_outputs_bit_identical(case):
     dtype = torch.bfloat16
     T = 3 * BLOCK
-    q, k, v = make_qkv(1, T, 2, 64, dtype=dtype, device=device, seed=7)
-    bl = torch.tensor([20, 64, 5], dtype=torch.int32, device=device)
-    live = _live_rows(T, bl).to(device)
-    base = solattn.sol_attn(q, k, v, topk_ratio=0.5, block_len=bl, backend=backend)
+    q, k, v = make_qkv(1, T, 2, case.head_dim(64), dtype=dtype, device=case.device, seed=7)
+    bl = torch.tensor([20, 64, 5], dtype=torch.int32, device=case.device)
+    live = _live_rows(T, bl).to(case.device)
+    base = case.run(q, k, v, topk_ratio=0.5, block_len=bl)
     q2, k2, v2 = (x.clone() for x in (q, k, v))
     for x in (q2, k2, v2):
         x[:, ~live] = (torch.randn_like(x[:, ~live].float()) * 100).to(dtype)
-    other = solattn.sol_attn(q2, k2, v2, topk_ratio=0.5, block_len=bl, backend=backend)
+    other = case.run(q2, k2, v2, topk_ratio=0.5, block_len=bl)
     assert torch.equal(base[:, live], other[:, live])
     assert torch.isfinite(other).all()
 
 
 # --- the portable backend specifically -------------------------------------------------------
 
-SDPA_DEVICES = [d for d in DEVICES if "sdpa" in runnable(d)]
+SDPA_DEVICES = [c.device for c in COMPILED if c.backend == "sdpa"]
 
 
 @pytest.mark.parametrize("device", SDPA_DEVICES)
@@ -294,57 +334,35 @@ def test_sdpa_masks_in_input_dtype_as_on_gpus(feature, monkeypatch):
 
 # --- robustness: shifted keys, huge finite biases, NaN in dead rows ----------------------------
 
-def _interp_pairs():
-    """PAIRS plus the Triton kernel in its interpreter on the CPU (triton >= 3.9), so these cases
-    also run in CI without a GPU."""
-    pairs = list(PAIRS)
-    try:
-        import triton
-        if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9) and ("triton", "cpu") not in pairs:
-            pairs.append(("triton", "cpu"))
-    except ImportError:
-        pass
-    return pairs
-
-
-ROBUST = _interp_pairs()
-
-
-def _run(backend, device, monkeypatch, *args, **kw):
-    if backend == "triton" and device == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return solattn.sol_attn(*args, backend=backend, **kw)
-
-
-@pytest.mark.parametrize("backend,device", ROBUST, ids=[f"{b}-{d}" for b, d in ROBUST])
-def test_common_key_offset_keeps_bf16_precision(backend, device, monkeypatch):
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_common_key_offset_keeps_bf16_precision(case):
     """SPEC.md centres the keys: adding one vector to every key leaves the output unchanged. In
     bf16 the error against the reference must not grow with that offset (it does if the centroid
     itself is rounded to bf16)."""
-    q, k, v = make_qkv(1, 640, 2, 128, dtype=torch.bfloat16, device=device, seed=21, key_offset=0.0)
+    q, k, v = make_qkv(1, 640, 2, 128, dtype=torch.bfloat16, device=case.device, seed=21, key_offset=0.0)
     k_off = (k.float() + 64.0).to(torch.bfloat16)
     for tail in (True, False):
-        got = _run(backend, device, monkeypatch, q, k_off, v, topk_ratio=0.2, tail=tail)
+        got = case.run(q, k_off, v, topk_ratio=0.2, tail=tail)
         want = solattn.sol_attn(q, k_off, v, topk_ratio=0.2, tail=tail, backend="reference")
         assert rel_l2(got, want) < 1e-2, tail
 
 
-@pytest.mark.parametrize("backend,device", ROBUST, ids=[f"{b}-{d}" for b, d in ROBUST])
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_huge_finite_biases_stay_finite(backend, device, dtype, monkeypatch, fp32_min=True):
+def test_huge_finite_biases_stay_finite(case, dtype, monkeypatch, fp32_min=True):
     """A finite bias is a finite term: finfo(fp32).min or -1e5 on every key (tail off) is not an
     all -inf row, and +7e4 on one key makes that key dominate; nothing overflows to inf or 0."""
     T = 300
-    q, k, v = make_qkv(1, T, 2, 64, dtype=dtype, device=device, seed=22)
-    one = torch.zeros(T, device=device)
+    q, k, v = make_qkv(1, T, 2, 64, dtype=dtype, device=case.device, seed=22)
+    one = torch.zeros(T, device=case.device)
     one[70] = 7e4
-    biases = [torch.full((T,), -1e5, device=device), one]
+    biases = [torch.full((T,), -1e5, device=case.device), one]
     if fp32_min:
-        biases.append(torch.full((T,), torch.finfo(torch.float32).min, device=device))
+        biases.append(torch.full((T,), torch.finfo(torch.float32).min, device=case.device))
     for bias in biases:
-        got = _run(backend, device, monkeypatch, q, k, v, tau=0.3, tail=False, key_bias=bias)
+        got = case.run(q, k, v, tau=0.3, tail=False, key_bias=bias)
         want = solattn.sol_attn(q, k, v, tau=0.3, tail=False, key_bias=bias, backend="reference")
-        if bias[0] < -65504 and _fp16_mask(backend, device, dtype):
+        if bias[0] < -65504 and _fp16_mask(case.backend, case.device, dtype):
             # documented: an fp16 mask holds the bias as -65504 on every key, a constant shift, so
             # the row is the unbiased softmax (the fp32 reference rounds logit + bias to bias and
             # averages uniformly instead)
@@ -358,19 +376,19 @@ def _fp16_mask(backend, device, dtype):
     return backend == "sdpa" and sdpamod.masks.mask_dtype(torch.device(device), dtype) == torch.float16
 
 
-@pytest.mark.parametrize("backend,device", ROBUST, ids=[f"{b}-{d}" for b, d in ROBUST])
-def test_nan_in_dead_rows_never_reaches_an_output(backend, device, monkeypatch):
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_nan_in_dead_rows_never_reaches_an_output(case):
     T = 3 * BLOCK
-    q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, device=device, seed=23)
-    bl = torch.tensor([20, 64, 5], dtype=torch.int32, device=device)
-    live = _live_rows(T, bl).to(device)
+    q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, device=case.device, seed=23)
+    bl = torch.tensor([20, 64, 5], dtype=torch.int32, device=case.device)
+    live = _live_rows(T, bl).to(case.device)
     gate = torch.randn_like(q)
     for kw in (dict(topk_ratio=0.5), dict(tau=0.2, coarse_gate=gate)):
-        base = _run(backend, device, monkeypatch, q, k, v, block_len=bl, **kw)
+        base = case.run(q, k, v, block_len=bl, **kw)
         q2, k2, v2 = (x.clone() for x in (q, k, v))
         for x in (q2, k2, v2):
             x[:, ~live] = float("nan")
-        got = _run(backend, device, monkeypatch, q2, k2, v2, block_len=bl, **kw)
+        got = case.run(q2, k2, v2, block_len=bl, **kw)
         assert torch.isfinite(got).all()
         assert torch.equal(got[:, live], base[:, live])
 
@@ -381,7 +399,7 @@ def test_huge_finite_biases_with_masks_in_input_dtype(dtype, monkeypatch):
     dtype's range is clamped into it, not turned into -inf (which zeroed rows on an H200)."""
     from solattn.backends import sdpa as sdpamod
     monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
-    test_huge_finite_biases_stay_finite("sdpa", "cpu", dtype, monkeypatch)
+    test_huge_finite_biases_stay_finite(BackendCase("sdpa", "cpu"), dtype, monkeypatch)
 
 
 def _log2_prescaling_sdpa(q, k, v, attn_mask=None, scale=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import solattn
-from conftest import make_qkv, rel_l2
+from solattn.testing import make_qkv, rel_l2
 
 
 def test_custom_op_registered_with_fake_impl():

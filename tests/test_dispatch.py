@@ -10,7 +10,7 @@ import solattn
 from solattn.validation import validate
 from solattn import dispatch
 from solattn.backends import reference as refmod
-from conftest import make_qkv
+from solattn.testing import make_qkv
 
 
 def test_backends_listing():

@@ -26,7 +26,7 @@ if __name__ == "__main__":  # worker: import this checkout's package
 
 import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
-from solattn.synthetic import block_structured_qkv  # noqa: E402
+from solattn.testing import block_structured_qkv, rel_l2, tolerance  # noqa: E402
 
 WORLD = 2
 RUN_TIMEOUT_S = 240  # both processes, every case; a healthy run takes ~15 s on a busy 2-core machine
@@ -182,12 +182,6 @@ def results():
                for name in CASES}
 
 
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def single(case):
     q, k, v, gate, kb, block_len, w = case_inputs(case)
     leaves = [None if x is None else x.clone().requires_grad_(bool(case.get("grad"))) for x in (q, k, v, gate)]
@@ -213,7 +207,7 @@ def test_matches_single_process(results, name):
     want, want_grads = single(case)
     got = torch.cat([res["out"] for res in per_rank], dim=1)
     assert got.shape == want.shape and got.dtype == want.dtype
-    tol = 1e-2 if case.get("dtype") == torch.bfloat16 else 1e-5
+    tol = tolerance(case.get("dtype", torch.float32))
     assert rel_l2(got, want) < tol
     # one all-to-all in per dtype among q, k, v, gate, one out; the shard table is gathered
     # unless given

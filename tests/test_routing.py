@@ -10,7 +10,7 @@ import torch
 import solattn
 from solattn.validation import validate
 from solattn import routing
-from conftest import make_qkv
+from solattn.testing import make_qkv
 
 
 def _plan(kw, seed=0, T=700, method=None):

@@ -5,9 +5,10 @@ inputs ``launch`` hands the interpreter fp32 copies of q, k and v, because the
 interpreter's ``tl.dot`` multiplies bf16 bit patterns as integers; the output stays
 bf16). Problems are tiny (T <= 300, H <= 2, D = 64) so the whole file runs in seconds.
 
-Selection: inputs are fresh Gaussians from fixed seeds; the routing scores of such
-inputs sit far (>> fp32 rounding) from every threshold, and ``_assert_selection_clear``
-checks that before comparing, so the plan and the reference select the same blocks.
+Selection: inputs are solattn.testing.make_qkv (well separated blocks), whose routing scores
+sit far (>> fp32 rounding) from every threshold; ``_assert_selection_clear`` checks that
+before comparing, so the plan and the reference select the same blocks. The kernel through
+``sol_attn`` (every feature, dtype refusals) is in the generated matrix in test_backends.py.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from solattn.validation import validate  # noqa: E402
 from solattn.backends.reference import reference_forward  # noqa: E402
 from solattn.backends.triton import KernelConfig, TritonBackend, launch  # noqa: E402
 from solattn.routing import block_stats, sink_mask, topk_count  # noqa: E402
+from solattn.testing import make_qkv, rel_l2, tolerance  # noqa: E402
 
 BACKEND = TritonBackend()
-TOL = 1.5e-2  # relative L2 for bf16 / fp16 outputs
+TOL = tolerance(torch.bfloat16)  # the kernel takes bf16 and fp16 only; both have the same tolerance
 
 
 @pytest.fixture(autouse=True)
@@ -44,15 +46,6 @@ def _interpret(monkeypatch):
 def _rand(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
-
-
-def _qkv(B, T, H, D=64, dtype=torch.bfloat16, seed=0):
-    return tuple(_rand((B, T, H, D), dtype, seed + i) for i in range(3))
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _assert_selection_clear(problem, margin=1e-6):
@@ -83,7 +76,7 @@ def _check(problem, tol=TOL, config=None):
     assert got.dtype == problem.v.dtype and got.shape == problem.q.shape and got.is_contiguous()
     assert torch.isfinite(got).all(), "kernel left elements unwritten (NaN poison) or produced inf/NaN"
     ref = reference_forward(problem)
-    err = _rel(got, ref)
+    err = rel_l2(got, ref)
     assert err < tol, f"relative L2 {err:.3e} >= {tol} ({problem.describe()})"
     return got, ref
 
@@ -93,19 +86,19 @@ def _check(problem, tol=TOL, config=None):
 @pytest.mark.parametrize("tail", [False, True])
 @pytest.mark.parametrize("mode", ["topk", "tau"])
 def test_modes_and_tail(mode, tail):
-    q, k, v = _qkv(1, 300, 2, seed=10)
+    q, k, v = make_qkv(1, 300, 2, 64, dtype=torch.bfloat16, seed=10)
     kw = dict(topk_ratio=0.3) if mode == "topk" else dict(tau=0.5)
     _check(validate(q, k, v, tail=tail, **kw))
 
 
 def test_fp16_and_b2():
-    q, k, v = _qkv(2, 200, 2, dtype=torch.float16, seed=20)
+    q, k, v = make_qkv(2, 200, 2, 64, dtype=torch.float16, seed=20)
     _check(validate(q, k, v, topk_ratio=0.25, tail=True))
 
 
 @pytest.mark.parametrize("T", [1, 30, 65, 200])
 def test_ragged_T(T):
-    q, k, v = _qkv(1, T, 1, seed=30 + T)
+    q, k, v = make_qkv(1, T, 1, 64, dtype=torch.bfloat16, seed=30 + T)
     _check(validate(q, k, v, topk_ratio=0.4, tail=True))
 
 
@@ -113,7 +106,7 @@ def test_ragged_T(T):
 
 def test_key_bias_float_b2():
     B, T = 2, 200
-    q, k, v = _qkv(B, T, 2, seed=40)
+    q, k, v = make_qkv(B, T, 2, 64, dtype=torch.bfloat16, seed=40)
     bias = _rand((B, T), torch.float32, 45) * 2.0
     bias[0, 70:100] = -math.inf
     bias[1, 0:64] = -math.inf
@@ -121,14 +114,14 @@ def test_key_bias_float_b2():
 
 
 def test_key_bias_bool_all_masked_tail_off_is_zero():
-    q, k, v = _qkv(1, 130, 2, seed=50)
+    q, k, v = make_qkv(1, 130, 2, 64, dtype=torch.bfloat16, seed=50)
     keep = torch.zeros(130, dtype=torch.bool)
     got, ref = _check(validate(q, k, v, topk_ratio=0.5, tail=False, key_bias=keep))
     assert (got == 0).all() and (ref == 0).all()
 
 
 def test_key_bias_all_masked_tail_on_gives_tail():
-    q, k, v = _qkv(1, 130, 2, seed=55)
+    q, k, v = make_qkv(1, 130, 2, 64, dtype=torch.bfloat16, seed=55)
     bias = torch.full((1, 1, 1, 130), -math.inf)
     _check(validate(q, k, v, tau=0.5, tail=True, key_bias=bias))
 
@@ -137,7 +130,7 @@ def test_key_bias_some_query_blocks_fully_masked():
     # tau very high: only the forced neighbours are exact; masking blocks 0..2 leaves
     # query blocks 0 and 1 with every exact key masked -> 0 rows (tail off)
     T = 300
-    q, k, v = _qkv(1, T, 2, seed=60)
+    q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, seed=60)
     bias = torch.zeros(T)
     bias[: 3 * 64] = -math.inf
     got, ref = _check(validate(q, k, v, tau=50.0, tail=False, key_bias=bias))
@@ -149,7 +142,7 @@ def test_key_bias_some_query_blocks_fully_masked():
 
 def test_block_len_dead_rows():
     T = 200  # n = 4, last block has 8 rows
-    q, k, v = _qkv(1, T, 2, seed=70)
+    q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, seed=70)
     block_len = torch.tensor([64, 40, 1, 30], dtype=torch.int32)
     got, ref = _check(validate(q, k, v, topk_ratio=0.5, tail=True, block_len=block_len))
     assert torch.isfinite(got).all()
@@ -157,7 +150,7 @@ def test_block_len_dead_rows():
 
 def test_block_len_with_bias_and_coarse():
     T = 256
-    q, k, v = _qkv(1, T, 1, seed=75)
+    q, k, v = make_qkv(1, T, 1, 64, dtype=torch.bfloat16, seed=75)
     gate = _rand((1, T, 1, 64), torch.bfloat16, 79)
     block_len = torch.tensor([17, 64, 64, 33], dtype=torch.int32)
     bias = _rand((T,), torch.float32, 78)
@@ -167,18 +160,18 @@ def test_block_len_with_bias_and_coarse():
 # ----------------------------------------------------------------------------- sinks, coarse
 
 def test_sinks_and_sink_q():
-    q, k, v = _qkv(1, 300, 2, seed=80)
+    q, k, v = make_qkv(1, 300, 2, 64, dtype=torch.bfloat16, seed=80)
     _check(validate(q, k, v, topk_ratio=0.2, tail=True, sink_blocks=(0, 1), sink_q=(2, 3)))
 
 
 def test_sinks_at_the_edge_tau():
-    q, k, v = _qkv(1, 300, 1, seed=85)
+    q, k, v = make_qkv(1, 300, 1, 64, dtype=torch.bfloat16, seed=85)
     _check(validate(q, k, v, tau=1.0, tail=True, sink_blocks=(4, 9), sink_q=(0, 1)))
 
 
 @pytest.mark.parametrize("tail", [False, True])
 def test_coarse_gate(tail):
-    q, k, v = _qkv(2, 200, 2, seed=90)
+    q, k, v = make_qkv(2, 200, 2, 64, dtype=torch.bfloat16, seed=90)
     gate = _rand(q.shape, torch.bfloat16, 95)
     _check(validate(q, k, v, topk_ratio=0.3, tail=tail, coarse_gate=gate))
 
@@ -188,7 +181,7 @@ def test_tma_descriptor_loads(block_len):
     # B=2 and a ragged T: rows past T come back zero-filled from the descriptor and are masked;
     # with block_len the launcher must fall back to pointer loads (dead rows inside T)
     B, T = 2, 200
-    q, k, v = _qkv(B, T, 2, seed=150)
+    q, k, v = make_qkv(B, T, 2, 64, dtype=torch.bfloat16, seed=150)
     bias = _rand((B, T), torch.float32, 151)
     gate = _rand(q.shape, torch.bfloat16, 152)
     kw = dict(block_len=torch.tensor([64, 30, 64, 8], dtype=torch.int32)) if block_len else {}
@@ -230,7 +223,7 @@ def test_launch_refuses_configs_that_do_not_ship():
     one is refused before the kernel runs (the poisoned output stays untouched)."""
     import dataclasses
     import types
-    q, k, v = _qkv(1, 130, 1, seed=160)
+    q, k, v = make_qkv(1, 130, 1, 64, dtype=torch.bfloat16, seed=160)
     problem = validate(q, k, v, topk_ratio=0.5)
     plan = build_plan(problem)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
@@ -253,7 +246,7 @@ def test_interpreter_run_leaves_triton_unpatched():
 
     from solattn.backends.triton import kernel
     before = (tl.sum, tl.max, kernel.softmax_update, kernel.sol_attn_fwd)
-    q, k, v = _qkv(1, 70, 1, seed=170)
+    q, k, v = make_qkv(1, 70, 1, 64, dtype=torch.bfloat16, seed=170)
     _check(validate(q, k, v, topk_ratio=0.5, tail=True))
     after = (tl.sum, tl.max, kernel.softmax_update, kernel.sol_attn_fwd)
     assert all(a is b for a, b in zip(before, after))
@@ -278,33 +271,25 @@ def test_strided_and_permuted_inputs():
 
 
 def test_centring_is_shift_invariant():
-    q, k, v = _qkv(1, 200, 1, dtype=torch.float16, seed=110)
+    q, k, v = make_qkv(1, 200, 1, 64, dtype=torch.float16, seed=110)
     shift = _rand((64,), torch.float32, 111) * 4
     a = validate(q, k, v, topk_ratio=0.3, tail=True)
     b = validate(q, (k.float() + shift).half(), v, topk_ratio=0.3, tail=True)
     # both agree with the reference of their own inputs, and with each other
     got_a, _ = _check(a)
     got_b, _ = _check(b)
-    assert _rel(got_b, got_a) < 2e-2
+    assert rel_l2(got_b, got_a) < 2e-2
 
 
 # ----------------------------------------------------------------------------- dispatch
 
-def test_sol_attn_entry_point_and_dispatch():
-    q, k, v = _qkv(1, 130, 2, seed=120)
-    out = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="triton")
-    ref = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="reference")
-    assert _rel(out, ref) < TOL
-
-
 def test_reasons(monkeypatch):
-    q, k, v = _qkv(1, 64, 1, seed=130)
+    q, k, v = make_qkv(1, 64, 1, 64, dtype=torch.bfloat16, seed=130)
     assert BACKEND.not_supported_reasons(validate(q, k, v)) == []
     f32 = validate(q.float(), k.float(), v.float())
     assert any("float32" in r for r in BACKEND.not_supported_reasons(f32))
     odd = validate(*(_rand((1, 64, 1, 48), torch.bfloat16, 131 + i) for i in range(3)))
     assert any("head dim 48" in r for r in BACKEND.not_supported_reasons(odd))
-    assert "autograd" not in BACKEND.features
     monkeypatch.delenv("TRITON_INTERPRET")
     assert any("TRITON_INTERPRET" in r for r in BACKEND.availability_reasons("cpu"))
     monkeypatch.delenv("SOLATTN_TRITON_XPU", raising=False)

@@ -5,8 +5,8 @@ point" states them, in float64, with its own tiling loops (prefix segments, then
 h, w), its own ranking by sorting Python lists, and a dense softmax per query tile over the
 selected tiles' live tokens. It imports nothing from solattn.routing or solattn.video.
 
-Every plan-consuming backend that runs on the CPU is tested: ``sdpa``, and ``triton`` through
-Triton's interpreter (TRITON_INTERPRET=1, as tests/test_triton_backend.py runs it).
+Every registered plan-consuming backend that runs on the CPU is tested (solattn.testing.backend_cases:
+``sdpa``, and ``triton`` through Triton's interpreter, TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import solattn
 from solattn.validation import validate
 from solattn import dispatch
+from solattn.testing import TOLERANCE as TOL
+from solattn.testing import backend_cases, rel_l2
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,29 +128,9 @@ def oracle_vsa(q, k, v, grid, k_vid, gate=None, scale=None, segments=(), mode="e
 
 # --------------------------------------------------------------------------- helpers
 
-def _triton_interpretable():
-    try:
-        import triton
-    except ImportError:
-        return False
-    return tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9)
-
-
-def plan_backends():
-    """Plan-consuming backends that run on the CPU here (triton through its interpreter)."""
-    names = []
-    for name in dispatch.registered():
-        b = dispatch.get_backend(name)
-        if not b.uses_plan:
-            continue
-        if name == "triton" and _triton_interpretable():
-            names.append(name)
-        elif not b.availability_reasons("cpu"):
-            names.append(name)
-    return names
-
-
-PLAN_BACKENDS = plan_backends()
+#: plan-consuming backends that run on the CPU here, from the registry (Triton through its interpreter)
+PLAN_CASES = [c for c in backend_cases(["cpu"]) if c.declared.uses_plan]
+PLAN_BACKENDS = [c.backend for c in PLAN_CASES]
 needs_backend = pytest.mark.skipif("sdpa" not in PLAN_BACKENDS, reason="the sdpa backend is not registered")
 
 
@@ -156,7 +138,7 @@ needs_backend = pytest.mark.skipif("sdpa" not in PLAN_BACKENDS, reason="the sdpa
 def on_backend(monkeypatch):
     """Prepare the environment a backend needs on the CPU and return its name."""
     def prepare(name):
-        if name == "triton":
+        if any(c.interpreted for c in PLAN_CASES if c.backend == name):
             monkeypatch.setenv("TRITON_INTERPRET", "1")
         return name
     return prepare
@@ -176,14 +158,6 @@ def make_inputs(grid, B=1, H=2, D=16, segments=(), dtype=torch.float32, seed=0, 
     if gate:
         out.append(torch.randn(B, T, H, D, generator=g).to(dtype))
     return out
-
-
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 # --------------------------------------------------------------------------- tiling

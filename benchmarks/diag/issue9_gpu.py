@@ -1,7 +1,7 @@
 """GPU diagnosis for the sdpa mask regressions (huge finite biases; bf16 tail precision)."""
 import math, sys, torch, torch.nn.functional as F
 import solattn
-from solattn.synthetic import block_structured_qkv
+from solattn.testing import block_structured_qkv
 
 dev = "cuda"
 def rel(a, b):

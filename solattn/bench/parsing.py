@@ -44,23 +44,9 @@ class ArgParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
 
 
-def present_devices() -> List[str]:
-    """Device names this torch can use here: ``cpu``, then ``cuda:i``, ``xpu:i``, ``mps``."""
-    devs = ["cpu"]
-    if torch.cuda.is_available():
-        devs += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        devs += [f"xpu:{i}" for i in range(xpu.device_count())]
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        devs.append("mps")
-    return devs
-
-
 def parse_device(text: str, option: str = "--device") -> torch.device:
     """A device name -> ``torch.device``, refused with :class:`UsageError` unless it is present here."""
-    present = present_devices()
+    present = dispatch.present_devices()
     allowed = f"a device present here: {', '.join(present)}"
     try:
         device = torch.device(text)

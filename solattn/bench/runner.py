@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..ops import sol_attn
 from ..routing import build_plan
-from ..synthetic import block_structured_qkv
+from ..testing import block_structured_qkv, rel_l2
 from ..validation import validate
 from .memory import measure_peak
 from .models import Shape, bytes_moved, flop_count
@@ -21,16 +21,9 @@ from .timing import log, synchronize, time_calls
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0,
                 spread: float = 2.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v ``(B, T, H, D)`` with block structure (``solattn.synthetic``); block logits
+    """q, k, v ``(B, T, H, D)`` with block structure (``solattn.testing``); block logits
     ``scale * qm . km`` have a std of about ``spread ** 2``."""
     return block_structured_qkv(*shape, dtype=dtype, device=device, seed=seed, spread=spread)
-
-
-def rel_l2(out: torch.Tensor, basis: torch.Tensor) -> float:
-    """``||out - basis|| / ||basis||`` in float64 on the CPU (``||out||`` when the basis is zero)."""
-    a, b = out.detach().double().cpu(), basis.detach().double().cpu()
-    den = b.norm().item()
-    return (a - b).norm().item() / (den if den > 0 else 1.0)
 
 
 def _prepare(fn: Callable[[], torch.Tensor], cfg: Config):
