@@ -1,8 +1,9 @@
 """Diagnostic variants of the triton backend's kernel, for benchmarks only.
 
 They split the key loop's time into its two halves, and are assembled from the
-production kernel's own ``@jit`` pieces (``solattn/backends/triton/kernel.py``), so they
-time the same code, not a copy of it:
+production kernel's own ``@jit`` pieces (``program_start``, ``block_logits``, ``softmax_update``,
+``write_rows`` in ``solattn/backends/triton/kernel.py``), so they time the same code, not a copy
+of it:
 
 - ``math_only``: the loop without its K/V loads (the first listed key block is loaded
   once, before the loop, and reused at every step): logits, online softmax, P V.
@@ -26,7 +27,7 @@ import triton.language as tl  # noqa: E402
 
 from solattn.backends.triton.backend import KernelConfig, run_kernel  # noqa: E402
 from solattn.backends.triton.kernel import (  # noqa: E402
-    gpu_jit, block_logits, query_block, softmax_update, start_state, write_rows)
+    gpu_jit, block_logits, program_start, softmax_update, write_rows)
 
 
 @gpu_jit
@@ -38,15 +39,9 @@ def math_only(
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    plan_row = bh.to(tl.int64) * n_blocks + q_block
-    q, tok_q, row_ok = query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T, HEAD_DIM, BLOCK)
-    m_i, l_i, acc = start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
-    count = tl.load(KvNum + plan_row)
-    idx_row = KvIdx + plan_row * max_blocks
+    bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
+        Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
+        T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     # the first listed block, loaded once before the loop
@@ -76,15 +71,9 @@ def loads_only(
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    plan_row = bh.to(tl.int64) * n_blocks + q_block
-    q, tok_q, row_ok = query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T, HEAD_DIM, BLOCK)
-    m_i, l_i, acc = start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
-    count = tl.load(KvNum + plan_row)
-    idx_row = KvIdx + plan_row * max_blocks
+    bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
+        Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
+        T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     if not KV_TMA:
