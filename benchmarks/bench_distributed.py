@@ -180,24 +180,6 @@ def table(rows, args, world, dev):
     return "\n".join(lines) + "\n"
 
 
-def exit_without_finalizing(code: int) -> None:
-    """End this rank after the process group is destroyed, skipping interpreter finalisation.
-
-    torch.distributed's Gloo backend keeps its worker threads running after
-    destroy_process_group (they are never joined) and they free finished collectives
-    lazily; a barrier also keeps the collectives still in flight when it was issued alive
-    until the barrier itself is freed. If that happens after the interpreter has started
-    finalising and the freed buffers are tensors Python created, the worker thread needs the
-    GIL, the finalising interpreter ends the thread inside a C++ destructor, and the process
-    dies with "terminate called without an active exception" (SIGABRT) after all its work is
-    done. No order of barrier/destroy calls prevents it, so leave without finalising: every
-    result is already written, and stdout/stderr are flushed here.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="markdown file to write (rank 0)")
@@ -215,15 +197,7 @@ def main():
         args.lengths, args.heads, args.head_dim, args.reps, args.warmup = [1000, 2000], 4, 32, 2, 1
         args.dtype = torch.float32
 
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    dev = torch.device(args.device, local) if args.device != "cpu" else torch.device("cpu")
-    if args.device == "cuda":
-        torch.cuda.set_device(local)
-    elif args.device == "xpu":
-        torch.xpu.set_device(local)
-    dist.init_process_group({"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}[args.device],
-                            timeout=timedelta(minutes=5), device_id=dev if dev.type == "cuda" else None)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, dev = sd.init_from_env(args.device, timeout=timedelta(minutes=5))
     if args.heads % world:
         sys.exit(f"--heads {args.heads} is not divisible by the number of processes {world}")
 
@@ -239,9 +213,7 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text)
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_without_finalizing(0)
+    sd.destroy_and_exit(0)
 
 
 if __name__ == "__main__":

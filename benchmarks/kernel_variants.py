@@ -1,16 +1,18 @@
 """Diagnostic variants of the triton backend's kernel, for benchmarks only.
 
 They split the key loop's time into its two halves, and are assembled from the
-production kernel's own ``@jit`` pieces (``solattn/backends/triton/kernel.py``), so they
-time the same code, not a copy of it:
+production kernel's own ``@jit`` pieces (``program_start``, ``block_logits``, ``softmax_update``,
+``write_rows`` in ``solattn/backends/triton/kernel.py``), so they time the same code, not a copy
+of it:
 
 - ``math_only``: the loop without its K/V loads (the first listed key block is loaded
   once, before the loop, and reused at every step): logits, online softmax, P V.
 - ``loads_only``: the loop's K/V loads without the math (each block is summed into the
   accumulator so that the loads cannot be dropped).
 
-Their outputs are wrong by design. They take the production kernel's arguments, so
-:func:`run_variant` launches them through the backend's own argument preparation.
+Both are one kernel, :func:`half_loop`, switched by its ``MATH_ONLY`` constexpr. Their outputs
+are wrong by design. It takes the production kernel's arguments (and ``MATH_ONLY``), so
+:func:`run_variant` launches it through the backend's own argument preparation.
 Measured on the H200 (H3, top-k 10 %): math only 9.58 ms, loads only 7.08 ms, the
 production kernel with TMA loads 9.58 ms (see notes_triton.md).
 """
@@ -26,92 +28,65 @@ import triton.language as tl  # noqa: E402
 
 from solattn.backends.triton.backend import KernelConfig, run_kernel  # noqa: E402
 from solattn.backends.triton.kernel import (  # noqa: E402
-    gpu_jit, block_logits, query_block, softmax_update, start_state, write_rows)
+    gpu_jit, block_logits, program_start, softmax_update, write_rows)
 
 
 @gpu_jit
-def math_only(
+def half_loop(
     Q, K, V, Out, Gate,
     KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
     sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd, sgb, sgt, sgh, sgd,
     s_bias_b, T, H, n_blocks, max_blocks, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
+    MATH_ONLY: tl.constexpr,       # True: math_only, False: loads_only
 ):
-    q_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    plan_row = bh.to(tl.int64) * n_blocks + q_block
-    q, tok_q, row_ok = query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T, HEAD_DIM, BLOCK)
-    m_i, l_i, acc = start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
-    count = tl.load(KvNum + plan_row)
-    idx_row = KvIdx + plan_row * max_blocks
+    bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
+        Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
+        T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
-    # the first listed block, loaded once before the loop
-    block0 = tl.load(idx_row)
-    tok0 = (block0 * BLOCK + rows).to(tl.int64)
-    live0 = tok0 < T
-    if KV_TMA:
-        k = K.load([bh // H, block0 * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-        v = V.load([bh // H, block0 * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-    else:
-        k = tl.load(K + b * skb + h * skh + tok0[:, None] * skt + dims[None, :] * skd, mask=live0[:, None], other=0.0)
-        v = tl.load(V + b * svb + h * svh + tok0[:, None] * svt + dims[None, :] * svd, mask=live0[:, None], other=0.0)
-    for step in range(0, count):
-        s = block_logits(q, k, tok0, live0, KeyBias + b * s_bias_b, qk_scale, HAS_BIAS)
-        p, alpha, m_i, l_i = softmax_update(s, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
-               sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
-
-
-@gpu_jit
-def loads_only(
-    Q, K, V, Out, Gate,
-    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
-    sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd, sgb, sgt, sgh, sgd,
-    s_bias_b, T, H, n_blocks, max_blocks, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
-):
-    q_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    plan_row = bh.to(tl.int64) * n_blocks + q_block
-    q, tok_q, row_ok = query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T, HEAD_DIM, BLOCK)
-    m_i, l_i, acc = start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
-    count = tl.load(KvNum + plan_row)
-    idx_row = KvIdx + plan_row * max_blocks
-    rows = tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM)
-    if not KV_TMA:
-        k_base = K + b * skb + h * skh
-        v_base = V + b * svb + h * svh
-    for step in range(0, count):
-        kv_block = tl.load(idx_row + step)
+    if MATH_ONLY:
+        # the first listed block, loaded once before the loop
+        block0 = tl.load(idx_row)
+        tok0 = (block0 * BLOCK + rows).to(tl.int64)
+        live0 = tok0 < T
         if KV_TMA:
-            k = K.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-            v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+            k = K.load([bh // H, block0 * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+            v = V.load([bh // H, block0 * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
         else:
-            tok_k = (kv_block * BLOCK + rows).to(tl.int64)
-            live = rows < tl.load(BlockLen + kv_block)
-            k = tl.load(k_base + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
-            v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
-        acc += k.to(tl.float32) + v.to(tl.float32)
-        l_i += 1.0
+            k = tl.load(K + b * skb + h * skh + tok0[:, None] * skt + dims[None, :] * skd, mask=live0[:, None], other=0.0)
+            v = tl.load(V + b * svb + h * svh + tok0[:, None] * svt + dims[None, :] * svd, mask=live0[:, None], other=0.0)
+        for step in range(0, count):
+            s = block_logits(q, k, tok0, live0, KeyBias + b * s_bias_b, qk_scale, HAS_BIAS)
+            p, alpha, m_i, l_i = softmax_update(s, m_i, l_i)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    else:
+        if not KV_TMA:
+            k_base = K + b * skb + h * skh
+            v_base = V + b * svb + h * svh
+        for step in range(0, count):
+            kv_block = tl.load(idx_row + step)
+            if KV_TMA:
+                k = K.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+                v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+            else:
+                tok_k = (kv_block * BLOCK + rows).to(tl.int64)
+                live = rows < tl.load(BlockLen + kv_block)
+                k = tl.load(k_base + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
+                v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
+            acc += k.to(tl.float32) + v.to(tl.float32)
+            l_i += 1.0
     write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
                sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
 
 
-#: name -> kernel; each takes the production kernel's arguments
-VARIANTS = {"math_only": math_only, "loads_only": loads_only}
+#: name -> the constexprs that make :func:`half_loop` that variant (after the production kernel's arguments)
+VARIANTS = {"math_only": {"MATH_ONLY": True}, "loads_only": {"MATH_ONLY": False}}
 
 
 def run_variant(name: str, problem, plan, config: KernelConfig):
     """Launch the diagnostic variant ``name`` on ``problem``/``plan`` (output wrong by design)."""
     if name not in VARIANTS:
         raise ValueError(f"kernel_variants: argument 'name' received {name!r}; allowed: {', '.join(VARIANTS)}")
-    return run_kernel(VARIANTS[name], problem, plan, config)
+    return run_kernel(half_loop, problem, plan, config, constexprs=VARIANTS[name])

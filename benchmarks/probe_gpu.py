@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,28 +22,15 @@ import solattn
 from solattn import dispatch, routing
 from solattn.validation import validate
 from solattn.backends.sdpa import sdpa_forward
-from solattn.bench import (ArgParser, UsageError, flop_count, log, make_inputs, measure_peak, parse_device,
-                           parse_shapes, rel_l2, time_calls)
+from solattn.bench import ProblemArgParser, flop_count, log, make_inputs, measure_peak, rel_l2, time_calls
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    ap = ArgParser(prog="benchmarks/probe_gpu.py", description=__doc__.split("\n\n")[0])
+    ap = ProblemArgParser("benchmarks/probe_gpu.py", __doc__.split("\n\n")[0], shapes=("seed", "h3"))
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for probe_gpu.md")
-    ap.add_argument("--device", default="cuda", help="torch device (default cuda)")
-    ap.add_argument("--shapes", nargs="+", default=["seed", "h3"], metavar="B,T,H,D|PRESET",
-                    help="problems, as for `python -m solattn bench` (default: seed h3)")
-    ap.add_argument("--ratio", type=float, default=0.1, help="top-k ratio (default 0.1)")
     ap.add_argument("--repeats", type=int, default=50, help="timed calls per figure, median (default 50)")
     ap.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
-    args = ap.parse_args(argv)
-    try:
-        args.device = parse_device(args.device)
-        args.shapes = parse_shapes(args.shapes)
-    except UsageError as exc:
-        ap.error(str(exc))
-    if not 0 < args.ratio < 1:
-        ap.error(f"--ratio received {args.ratio:g}; allowed: 0 < r < 1")
-    return args
+    return ap.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

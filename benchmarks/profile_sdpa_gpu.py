@@ -18,28 +18,15 @@ from torch.profiler import ProfilerActivity, profile
 from solattn.routing import build_plan
 from solattn.validation import validate
 from solattn.backends.sdpa import sdpa_forward
-from solattn.bench import (ArgParser, UsageError, flop_count, log, make_inputs, parse_device, parse_shapes,
-                           synchronize, time_calls)
+from solattn.bench import ProblemArgParser, flop_count, log, make_inputs, synchronize, time_calls
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    ap = ArgParser(prog="benchmarks/profile_sdpa_gpu.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda", help="torch device (default cuda)")
-    ap.add_argument("--shapes", nargs="+", default=["h3"], metavar="B,T,H,D|PRESET",
-                    help="problems, as for `python -m solattn bench` (default: h3)")
-    ap.add_argument("--ratio", type=float, default=0.1, help="top-k ratio (default 0.1)")
+    ap = ProblemArgParser("benchmarks/profile_sdpa_gpu.py", __doc__.split("\n\n")[0], shapes=("h3",))
     ap.add_argument("--repeats", type=int, default=5, help="timed calls before profiling, median (default 5)")
     ap.add_argument("--gather-rows", type=int, default=8_000_000,
                     help="rows gathered by the index_select comparison (default 8e6; 0 skips it)")
-    args = ap.parse_args(argv)
-    try:
-        args.device = parse_device(args.device)
-        args.shapes = parse_shapes(args.shapes)
-    except UsageError as exc:
-        ap.error(str(exc))
-    if not 0 < args.ratio < 1:
-        ap.error(f"--ratio received {args.ratio:g}; allowed: 0 < r < 1")
-    return args
+    return ap.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

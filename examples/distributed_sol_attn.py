@@ -15,7 +15,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -24,44 +23,18 @@ import solattn.distributed as sd  # noqa: E402
 from solattn.testing import block_structured_qkv  # noqa: E402
 
 
-def exit_without_finalizing(code: int) -> None:
-    """End this rank after the process group is destroyed, skipping interpreter finalisation.
-
-    torch.distributed's Gloo backend keeps its worker threads running after
-    destroy_process_group (they are never joined) and they free finished collectives
-    lazily; a barrier also keeps the collectives still in flight when it was issued alive
-    until the barrier itself is freed. If that happens after the interpreter has started
-    finalising and the freed buffers are tensors Python created, the worker thread needs the
-    GIL, the finalising interpreter ends the thread inside a C++ destructor, and the process
-    dies with "terminate called without an active exception" (SIGABRT) after all its work is
-    done. No order of barrier/destroy calls prevents it, so leave without finalising: every
-    result is already written, and stdout/stderr are flushed here.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "xpu", "cpu"], default=None,
-                   help="default: cuda if available, else cpu")
+                   help="default: cuda if available, else xpu if available, else cpu")
     p.add_argument("--grid", type=int, nargs=3, default=(8, 12, 20), help="video latent (t, h, w)")
     p.add_argument("--prefix", type=int, default=77, help="prefix (text) tokens before the video")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=32)
     args = p.parse_args()
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if device == "cuda":
-        torch.cuda.set_device(local)
-    elif device == "xpu":
-        torch.xpu.set_device(local)
-    dev = torch.device(device, local) if device != "cpu" else torch.device("cpu")
-    dist.init_process_group({"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}[device],
-                            device_id=dev if dev.type == "cuda" else None)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, dev = sd.init_from_env(args.device)   # nccl / xccl / gloo, this rank's device
+    device = dev.type
 
     t, h, w = args.grid
     T = args.prefix + t * h * w
@@ -97,9 +70,7 @@ def main():
             print(f"{name}: {world} ranks, shards {lens} of T={T}, H={args.heads}, D={args.head_dim} "
                   f"{str(dtype).replace('torch.', '')} on {device}: rel. L2 vs one device {err:.2e} "
                   f"-> {'OK' if ok else 'MISMATCH'}", flush=True)
-    dist.barrier()                             # rank 0's check done before anyone tears down
-    dist.destroy_process_group()
-    exit_without_finalizing(1 if failed else 0)
+    sd.destroy_and_exit(1 if failed else 0)    # after rank 0's check (a barrier); see its docstring
 
 
 if __name__ == "__main__":

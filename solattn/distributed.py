@@ -21,6 +21,9 @@ backward is the inverse all-to-all, so everything is differentiable.
 from __future__ import annotations
 
 import numbers
+import os
+import sys
+from datetime import timedelta
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -33,7 +36,8 @@ from .validation import SUPPORTED_DTYPES, validate
 
 Tensor = torch.Tensor
 
-__all__ = ["sol_attn", "video_sparse_attn", "shard_lengths", "shard", "gather"]
+__all__ = ["sol_attn", "video_sparse_attn", "shard_lengths", "shard", "gather", "init_from_env",
+           "destroy_and_exit"]
 
 _DTYPE_CODES = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 _DTYPE_NAMES = "torch.bfloat16, torch.float16 or torch.float32"
@@ -64,6 +68,70 @@ def _group_info(fn: str, group) -> Tuple[int, int]:
     if rank < 0:
         _fail(fn, "group", repr(group), "a process group this process is a member of")
     return rank, dist.get_world_size(group)
+
+
+#: device type -> the torch.distributed backend that runs this module's collectives on it
+PROCESS_GROUP_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}
+
+
+def init_from_env(device_type: Optional[str] = None,
+                  timeout: Optional[timedelta] = None) -> Tuple[int, int, torch.device]:
+    """Start the default process group of a script launched by ``torchrun``; return
+    ``(rank, world_size, device)``.
+
+    ``device_type`` is ``"cuda"`` (NCCL), ``"xpu"`` (XCCL) or ``"cpu"`` (Gloo); ``None`` takes
+    CUDA if available, else XPU if available, else the CPU. On a GPU this process's device is
+    ``LOCAL_RANK`` (from torchrun's environment, 0 without it), made the current device, and
+    NCCL's group is bound to it. ``timeout`` goes to ``init_process_group`` (``None``: its
+    default). Rank, world size and the rendezvous come from the environment torchrun sets up.
+    """
+    if device_type is None:
+        xpu = getattr(torch, "xpu", None)
+        device_type = ("cuda" if torch.cuda.is_available()
+                       else "xpu" if xpu is not None and xpu.is_available() else "cpu")
+    if device_type not in PROCESS_GROUP_BACKENDS:
+        _fail("init_from_env", "device_type", repr(device_type),
+              "None, " + ", ".join(repr(d) for d in PROCESS_GROUP_BACKENDS),
+              ValueError if isinstance(device_type, str) else TypeError)
+    if timeout is not None and not isinstance(timeout, timedelta):
+        _fail("init_from_env", "timeout", f"{timeout!r} of type {type(timeout).__name__}",
+              "None or a datetime.timedelta", TypeError)
+    if not dist.is_available():
+        raise RuntimeError("init_from_env: this build of torch has no torch.distributed")
+    if dist.is_initialized():
+        raise RuntimeError("init_from_env: the default process group is already initialised")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        device = torch.device(device_type, local)
+        getattr(torch, device_type).set_device(local)
+    dist.init_process_group(PROCESS_GROUP_BACKENDS[device_type], timeout=timeout,
+                            device_id=device if device_type == "cuda" else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def destroy_and_exit(code: int = 0, group=None) -> None:
+    """Wait for every rank, destroy the process group and end this process with exit status
+    ``code``, skipping the interpreter's finalisation. Does not return.
+
+    Gloo keeps its worker threads after ``destroy_process_group`` (they are never joined) and
+    they free finished collectives lazily; a barrier also keeps the collectives still in flight
+    when it was issued alive until the barrier itself is freed. When that happens while the
+    interpreter is finalising and the buffers are tensors Python created, the worker thread needs
+    the GIL, finalisation ends the thread inside a C++ destructor, and the process dies with
+    "terminate called without an active exception" (SIGABRT) after all its work is done. No
+    order of barrier/destroy calls prevents it, so this leaves with ``os._exit``: write and close
+    every result first (stdout and stderr are flushed here); ``atexit`` handlers do not run.
+    """
+    if isinstance(code, bool) or not isinstance(code, numbers.Integral):
+        _fail("destroy_and_exit", "code", f"{code!r} of type {type(code).__name__}", "an int", TypeError)
+    _group_info("destroy_and_exit", group)
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
 
 
 def shard_lengths(total: int, world_size: int) -> List[int]:

@@ -230,6 +230,9 @@ def test_gpu_probes_import_and_parse_arguments_here(script, capsys):
     with pytest.raises(SystemExit) as exc:
         module.parse_args(["--device", "nonesuch"])
     assert exc.value.code == 2 and "--device" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args(["--device", "cpu", "--ratio", "1.5"])
+    assert exc.value.code == 2 and "--ratio received 1.5; allowed: 0 < r < 1" in capsys.readouterr().err
 
 
 def test_terminal_table_explains_its_columns(tmp_path, capsys):

@@ -27,7 +27,7 @@ from solattn.integrations import comfy_kitchen as plugin  # noqa: E402
 from solattn.testing import rel_l2, tolerance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-NODE_INIT = ROOT / "integrations" / "comfyui" / "solattn_xpu" / "__init__.py"
+NODE_INIT = ROOT / "integrations" / "comfyui" / "solattn_sparse_attention" / "__init__.py"
 D = 128
 NAME = "solattn"  # the plug-in's name in comfy-kitchen's registry (Intel's fork takes "xpu")
 
@@ -374,21 +374,29 @@ def test_uninstall_keeps_a_priority_order_changed_after_install():
 
 # --------------------------------------------------------------------------- ComfyUI custom node
 
-def test_comfyui_custom_node_installs_for_present_devices(caplog, monkeypatch, sdpa_calls):
-    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
-    name = str(NODE_INIT.parent)  # ComfyUI names the module after its folder path
-    caplog.set_level(logging.INFO)
+def import_node_folder(times=1):
+    """Import the custom node folder as ComfyUI does (module named after the folder path)."""
+    name = str(NODE_INIT.parent)
     try:
-        for _ in range(2):  # ComfyUI may import the folder again (reload); still one registration
+        for _ in range(times):  # ComfyUI may import the folder again (reload)
             spec = importlib.util.spec_from_file_location(name, NODE_INIT)
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             spec.loader.exec_module(module)
-        assert module.NODE_CLASS_MAPPINGS == {} and spec.submodule_search_locations
     finally:
         sys.modules.pop(name, None)
+    assert spec.submodule_search_locations
+    assert list(module.NODE_CLASS_MAPPINGS) == ["SolAttnModelSparseAttention"]   # the node, always
+    return module
+
+
+def test_comfyui_custom_node_installs_when_the_variable_asks(caplog, monkeypatch, sdpa_calls):
+    monkeypatch.setenv(plugin.ENV_VAR, "auto")
+    caplog.set_level(logging.INFO)
+    module = import_node_folder(times=2)     # still one registration
     present = plugin.available_devices()
     assert "cpu" in present and plugin.installed_devices() == present == module.INSTALLED_DEVICES
+    assert os.environ[plugin.ENV_VAR] == "auto"
     ours = [r for r in caplog.records if r.name == "solattn.comfyui"]
     lines = [r.getMessage() for r in ours]
     assert len(lines) == 2 and lines[0] == lines[1]  # one line per import
@@ -398,6 +406,49 @@ def test_comfyui_custom_node_installs_for_present_devices(caplog, monkeypatch, s
     q = k = v = torch.randn(1, 128, 1, D)
     ck.sol_attn(q, k, v)
     assert len(sdpa_calls) == 1
+
+
+def test_comfyui_custom_node_without_the_variable_leaves_comfy_kitchen_alone(caplog, monkeypatch):
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    caplog.set_level(logging.INFO)
+    module = import_node_folder()
+    assert module.INSTALLED_DEVICES is None and not plugin.is_installed()
+    assert not [r for r in caplog.records if r.name == "solattn.comfyui"]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("cuda", "SOLATTN_COMFY_KITCHEN received 'cuda'"),
+    ("cpu", "pip install comfy-kitchen"),
+], ids=["bad_value", "no_comfy_kitchen"])
+def test_comfyui_custom_node_logs_plugin_errors_and_keeps_the_node(caplog, monkeypatch, value, message):
+    monkeypatch.setenv(plugin.ENV_VAR, value)
+    if value == "cpu":
+        for name in [m for m in sys.modules if m == "comfy_kitchen" or m.startswith("comfy_kitchen.")]:
+            monkeypatch.setitem(sys.modules, name, None)  # what an uninstalled package looks like
+    module = import_node_folder()
+    assert module.INSTALLED_DEVICES is None and not plugin.is_installed()
+    assert os.environ[plugin.ENV_VAR] == value
+    errors = [r.getMessage() for r in caplog.records if r.name == "solattn.comfyui" and r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "plug-in not installed" in errors[0] and message in errors[0]
+
+
+def test_comfyui_custom_node_registers_the_node_when_import_solattn_would_raise():
+    """A fresh process (solattn not imported yet) where the variable makes `import solattn` raise:
+    the folder still registers the node and logs the plug-in's error."""
+    code = ("import importlib.util, logging, os, sys\n"
+            "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(levelname)s %(message)s')\n"
+            f"spec = importlib.util.spec_from_file_location('folder', {str(NODE_INIT)!r})\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "from solattn.integrations import comfy_kitchen as p\n"
+            "print(sorted(m.NODE_CLASS_MAPPINGS), p.is_installed(), os.environ['SOLATTN_COMFY_KITCHEN'])\n")
+    res = run_python(code, "cuda")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().split("\n")
+    assert lines[-1] == "['SolAttnModelSparseAttention'] False cuda"
+    assert lines[0].startswith("ERROR solattn: comfy-kitchen plug-in not installed") and "'cuda'" in lines[0]
+    ok = run_python(code, "cpu")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip().split("\n")[-1] == "['SolAttnModelSparseAttention'] True cpu"
 
 
 # --------------------------------------------------------------------------- comfy-kitchen's contract

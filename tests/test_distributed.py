@@ -290,6 +290,7 @@ def test_example_under_torchrun():
 def test_benchmark_tiny_under_torchrun(tmp_path):
     path = tmp_path / "bench.md"
     _torchrun("benchmarks/bench_distributed.py", "--device", "cpu", "--tiny", "--out", str(path))
+    assert "gloo backend" in path.read_text()            # init_from_env("cpu")
     rows = [line.split("|")[1:-1] for line in path.read_text().splitlines() if re.match(r"\| \d", line)]
     assert [int(r[0]) for r in rows] == [1000, 2000]
     for r in rows:
@@ -304,6 +305,24 @@ def test_errors_without_a_process_group():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         sd.sol_attn(q, q, q)
+    with pytest.raises(RuntimeError, match="destroy_and_exit: .*init_process_group"):
+        sd.destroy_and_exit(0)
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    (dict(device_type="mps"), ValueError, r"'device_type' received 'mps'; allowed: None, 'cuda', 'xpu', 'cpu'"),
+    (dict(device_type=0), TypeError, r"'device_type' received 0"),
+    (dict(device_type="cpu", timeout=60), TypeError, r"'timeout' received 60 of type int"),
+])
+def test_init_from_env_argument_errors(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        sd.init_from_env(**kwargs)
+    assert not torch.distributed.is_initialized()          # raised before starting anything
+
+
+def test_destroy_and_exit_argument_error():
+    with pytest.raises(TypeError, match=r"'code' received 1.5 of type float; allowed: an int"):
+        sd.destroy_and_exit(1.5)
 
 
 if __name__ == "__main__":

@@ -181,6 +181,19 @@ class SparseAttention:
         audio = [(a, b) for a, b, kind in layout.segments if kind == "audio"]
         return kv, ([audio[0][0] // BLOCK, kv[1]] if audio else list(kv))
 
+    def run_or_note(self, qs, check: Callable, run: Callable):
+        """``run()``'s output, or None after noting why solattn refuses the call: ``check`` (solattn's
+        argument check) failed, or no backend runs it (raised while choosing, before any work)."""
+        refused = _refusal(check)
+        if refused is None:
+            try:
+                return run()
+            except dispatch.BackendError as err:
+                refused = str(err).splitlines()[0]
+        self.note(("refused", refused), f"dense: solattn refuses {tuple(qs.shape)} "
+                                        f"{qs.dtype} on {qs.device}: {refused}")
+        return None
+
     # -- generic path: the attention override ------------------------------------------------
     def make_override(self, previous: Optional[Callable]) -> Callable:
         """An ``optimized_attention_override`` running ``sol_attn``; declined calls run
@@ -204,10 +217,10 @@ class SparseAttention:
                                    f"k {tuple(k.shape)}, v {tuple(v.shape)})")
                 return dense()
             if skip_reshape:                                     # (B, H, N, D)
-                b, _, tokens, dim_head = q.shape
+                tokens = q.shape[2]
                 qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
             else:                                                # (B, N, H * D)
-                b, tokens, inner = q.shape
+                _, tokens, inner = q.shape
                 if inner % heads:
                     self.note("heads", f"dense: inner dim {inner} is not divisible by {heads} heads")
                     return dense()
@@ -220,22 +233,14 @@ class SparseAttention:
             sink_blocks, sink_q = self.sinks(opts, tokens)
             call = dict(tau=s.tau, scale=kwargs.get("scale"), sink_blocks=sink_blocks, sink_q=sink_q,
                         topk_ratio=s.topk_ratio)
-            refused = _refusal(lambda: validate(qs, ks, vs, **call))
-            if refused is None:
-                try:
-                    out = sol_attn(qs, ks, vs, **call)
-                except dispatch.BackendError as err:   # raised while choosing, before any work
-                    refused = str(err).splitlines()[0]
-            if refused is not None:
-                self.note(("refused", refused), f"dense: solattn refuses {tuple(qs.shape)} "
-                                                f"{qs.dtype} on {qs.device}: {refused}")
+            out = self.run_or_note(qs, lambda: validate(qs, ks, vs, **call),
+                                   lambda: sol_attn(qs, ks, vs, **call))
+            if out is None:
                 return dense()
             self.note(("sparse", tuple(qs.shape), qs.device.type),
                       f"{s.method} on {tuple(qs.shape)} {qs.dtype} {qs.device.type}"
                       + (f", sinks {sink_blocks}/{sink_q}" if sink_blocks else ""))
-            if skip_output_reshape:
-                return out.transpose(1, 2)
-            return out.reshape(b, tokens, heads * dim_head)
+            return _comfy_layout(out, skip_output_reshape)
 
         return override
 
@@ -284,25 +289,17 @@ class SparseAttention:
                 return dense()
             qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))          # (1, S, H, D)
             g = None if gate is None else gate.view(qs.shape)
-            refused = _refusal(lambda: validate(qs, ks, vs, scale=kwargs.get("scale")))
-            if refused is None:
-                try:
-                    out = video_sparse_attn(qs, ks, vs, grid, sparsity=s.sparsity, gate=g,
-                                            scale=kwargs.get("scale"), prefix_len=prefix,
-                                            prefix_mode=s.vsa_prefix)
-                except dispatch.BackendError as err:   # raised while choosing, before the kernel
-                    refused = str(err).splitlines()[0]
-            if refused is not None:
-                self.note(("refused", refused), f"dense: solattn refuses {tuple(qs.shape)} "
-                                                f"{qs.dtype} on {qs.device}: {refused}")
+            out = self.run_or_note(qs, lambda: validate(qs, ks, vs, scale=kwargs.get("scale")),
+                                   lambda: video_sparse_attn(qs, ks, vs, grid, sparsity=s.sparsity, gate=g,
+                                                             scale=kwargs.get("scale"), prefix_len=prefix,
+                                                             prefix_mode=s.vsa_prefix))
+            if out is None:
                 return dense()
             self.note(("vsa", grid, tuple(prefix), qs.device.type),
                       f"vsa on {qs.device.type}: grid {grid}, prefix segments {list(prefix)} "
                       f"({s.vsa_prefix}), keep {s.keep_percent:g}%, "
                       + ("gated coarse branch" if g is not None else "no to_gate_compress: fine only"))
-            if skip_output_reshape:
-                return out.transpose(1, 2)
-            return out.reshape(qs.shape[0], qs.shape[1], heads * qs.shape[3])
+            return _comfy_layout(out, skip_output_reshape)
 
         return override
 
@@ -336,6 +333,14 @@ class SparseAttention:
             return extra["original_block"]({**args, "attention": attention})
 
         return block_patch
+
+
+def _comfy_layout(out: torch.Tensor, skip_output_reshape: bool) -> torch.Tensor:
+    """solattn's ``(B, N, H, D)`` output in the layout ComfyUI's attention function returns:
+    ``(B, H, N, D)`` with ``skip_output_reshape``, else ``(B, N, H * D)``."""
+    if skip_output_reshape:
+        return out.transpose(1, 2)
+    return out.flatten(2)
 
 
 def _refusal(check: Callable) -> Optional[str]:

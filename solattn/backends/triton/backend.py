@@ -126,10 +126,11 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
 
 
 def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, constexprs: Optional[dict] = None) -> torch.Tensor:
     """Launch ``jit_kernel``, a ``JITFunction`` with the production kernel's signature, on
     ``problem`` and ``plan``. :func:`launch` runs the production kernel through it; benchmark
-    experiments (``benchmarks/kernel_variants.py``) run their variants through it too."""
+    experiments (``benchmarks/kernel_variants.py``) run their variants through it too, with the
+    variant's own extra ``constexprs`` (name -> value) appended to the launch."""
     from . import kernel  # imports triton
 
     q, k, v = problem.q, problem.k, problem.v
@@ -182,7 +183,7 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
         problem.scale * kernel.LOG2E,
         HEAD_DIM=D, BLOCK=BLOCK,
         HAS_TAIL=has_tail, HAS_BIAS=has_bias, HAS_COARSE=has_coarse, KV_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(constexprs or {}),
     )
     return out
 

@@ -18,8 +18,8 @@ Two identities keep the inner loop as short as dense flash attention's:
   online softmax starts from that key: running max = its logit, running sum = 1,
   accumulator = its value. An empty tail (``tail_lse = -inf``) starts from nothing.
 
-The kernel is built from small ``@jit`` pieces (query block and starting state, one
-key block's logits, the online-softmax update, the epilogue) so that benchmark
+The kernel is built from small ``@jit`` pieces (the program's prologue: query block and
+starting state; one key block's logits, the online-softmax update, the epilogue) so that benchmark
 experiments can assemble variants of the loop from the same pieces.
 
 Every function here is a compiled ``JITFunction`` whatever ``TRITON_INTERPRET`` said
@@ -79,6 +79,27 @@ def start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
         l_i = tl.full([BLOCK], 0.0, tl.float32)
         acc = tl.full([BLOCK, HEAD_DIM], 0.0, tl.float32)
     return m_i, l_i, acc
+
+
+@gpu_jit
+def program_start(Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
+                  T, H, n_blocks, max_blocks, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """Everything a program knows before its key loop, from its program ids (query block, b*H + h):
+    ``(bh, b, h, plan_row, q, tok_q, row_ok, m, l, acc, count, idx_row)``, where ``plan_row`` is
+    the flat index of (b, h, query block) in the plan, ``count`` its number of listed key blocks
+    and ``idx_row`` the pointer to their indices."""
+    q_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    plan_row = bh.to(tl.int64) * n_blocks + q_block
+    q, tok_q, row_ok = query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T, HEAD_DIM, BLOCK)
+    m_i, l_i, acc = start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
+                                HEAD_DIM, BLOCK, HAS_TAIL)
+    count = tl.load(KvNum + plan_row)
+    idx_row = KvIdx + plan_row * max_blocks
+    return bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row
 
 
 @gpu_jit
@@ -144,18 +165,9 @@ def sol_attn_fwd(
     HAS_COARSE: tl.constexpr,
     KV_TMA: tl.constexpr,          # K, V are (B, T, H, D) TMA descriptors (no block_len) instead of pointers
 ):
-    q_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    plan_row = bh.to(tl.int64) * n_blocks + q_block   # flat index of (b, h, i) in the plan
-
-    q, tok_q, row_ok = query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T, HEAD_DIM, BLOCK)
-    m_i, l_i, acc = start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
-                                HEAD_DIM, BLOCK, HAS_TAIL)
-
-    count = tl.load(KvNum + plan_row)
-    idx_row = KvIdx + plan_row * max_blocks
+    bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
+        Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
+        T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     bias_row = KeyBias + b * s_bias_b
