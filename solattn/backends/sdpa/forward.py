@@ -137,7 +137,9 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
             mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
     o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask,
                                        scale=p.scale)[:, 0]                   # (nr, Lq, D)
-    if dead is not None and bool(dead.any()):    # every term -inf: SPEC.md says 0, not NaN
+    # every term -inf: SPEC.md says 0, not NaN. Off the CPU the select runs unconditionally:
+    # testing for a dead row first would stall the device queue once per SDPA call.
+    if dead is not None and (o.device.type != "cpu" or bool(dead.any())):
         o = torch.where(dead[..., None], torch.zeros((), dtype=o.dtype, device=o.device), o)
     out_rows = call.out.block_rows(b, h, i[:, None], Lq)
     out.view(-1, D).index_copy_(0, out_rows.reshape(-1), o.reshape(-1, D))
