@@ -98,6 +98,12 @@ MODEL_SCRIPT = textwrap.dedent("""
         estimates.append(memory.chunk_bytes(rows, shape))
         return rows
     forward.rows_per_chunk = spy
+    layouts = [0]
+    real_layout = forward.layout_bytes
+    def spy_layout(*args):
+        layouts[0] = real_layout(*args)
+        return layouts[0]
+    forward.layout_bytes = spy_layout
     B, T, H, D = 1, 16384, 2, 128
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
@@ -110,19 +116,20 @@ MODEL_SCRIPT = textwrap.dedent("""
     out = sdpa_forward(p, plan, nbytes=BUDGET)
     peak = status("VmHWM")
     print(json.dumps({"working": peak - before - out.numel() * out.element_size(),
-                      "largest_estimate": max(estimates)}))
+                      "largest_estimate": max(estimates) + layouts[0], "layouts": layouts[0]}))
 """)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
 def test_memory_model_estimate_bounds_measured_chunk_peak():
-    """The model's estimate for the largest chunk covers what the chunk really takes, and is not
-    wildly pessimistic either (chunks would be needlessly small)."""
+    """The model's estimate for the key/value block layouts plus the largest chunk covers what
+    they really take, and is not wildly pessimistic either (chunks would be needlessly small)."""
     budget = 192 << 20
     res = subprocess.run([sys.executable, "-c", f"BUDGET = {budget}\n" + MODEL_SCRIPT],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout.strip().splitlines()[-1])
     assert info["largest_estimate"] <= budget
+    assert info["layouts"] > 0                        # the common case lays keys and values out
     assert info["working"] <= info["largest_estimate"] + (8 << 20), info
     assert info["working"] >= info["largest_estimate"] / 4, info

@@ -14,8 +14,8 @@ from ...routing import Plan, live_token_mask
 from ...validation import BLOCK, Problem
 from . import masks
 from .grouping import Group, group_rows, needs_mask
-from .layout import RowTable, Workspace, zero_dead
-from .memory import TAIL_ROWS, ChunkShape, fixed_bytes, rows_per_chunk
+from .layout import BlockTable, RowTable, Workspace, zero_dead
+from .memory import TAIL_ROWS, ChunkShape, fixed_bytes, layout_bytes, pairs_per_layout, rows_per_chunk
 
 #: working memory beyond inputs, output and the routing plan, bytes (``solattn.set_memory_budget``,
 #: ``solattn.memory_budget`` or ``SOLATTN_SDPA_BUDGET``; 1 GiB by default)
@@ -67,20 +67,37 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     chunk_budget = nbytes - fixed_bytes(B, T, H, n, 0 if slot_bias is None else slot_bias.shape[0],
                                         masked is not None)
     elt, mask_elt = torch.finfo(dt).bits // 8, torch.finfo(call.mdt).bits // 8
+    # Keys and values laid out as contiguous blocks per run of (batch, head) pairs, when one
+    # pair's layouts fit in half the budget (the common case); else rows straight from the inputs.
+    run = pairs_per_layout(chunk_budget, B * H, n, D, elt)
+    if run:
+        chunk_budget -= layout_bytes(run, n, D, elt)
+    edges = list(range(0, B * H, run or B * H)) + [B * H]
+    plans = []
     for g in groups:
         shape = ChunkShape(q_rows=T - BLOCK * (n - 1) if g.ragged else BLOCK, key_blocks=g.count,
-                           D=D, elt=elt, mask_elt=mask_elt if g.masked else 0, tail=tail)
-        step = rows_per_chunk(chunk_budget, shape, dev)
-        for r0 in range(0, g.rows.shape[0], step):
-            out = _attend_rows(call, g, g.rows[r0:r0 + step], shape, out)
+                           D=D, elt=elt, mask_elt=mask_elt if g.masked else 0, tail=tail,
+                           blocks=bool(run))
+        cuts = torch.searchsorted(g.rows, torch.tensor(edges, device=dev) * n).tolist()
+        plans.append((g, shape, rows_per_chunk(chunk_budget, shape, dev), cuts))
+    for e in range(len(edges) - 1):
+        kv = None
+        if run:
+            kv = (BlockTable(p.k, edges[e], edges[e + 1], call.live, call.work, "kb"),
+                  BlockTable(p.v, edges[e], edges[e + 1], call.live, call.work, "vb"))
+        for g, shape, step, cuts in plans:
+            for r0 in range(cuts[e], cuts[e + 1], step):
+                out = _attend_rows(call, g, g.rows[r0:min(r0 + step, cuts[e + 1])], shape, out, kv)
+        del kv
     if plan.coarse is not None and p.coarse_gate is not None:
         out = _add_coarse(out, p.coarse_gate, plan.coarse, nbytes)
     return out
 
 
 def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
-                 out: torch.Tensor) -> torch.Tensor:
-    """One SDPA call for query blocks ``rows`` of group ``g``; writes their output rows."""
+                 out: torch.Tensor, kv=None) -> torch.Tensor:
+    """One SDPA call for query blocks ``rows`` of group ``g``; writes their output rows. ``kv``:
+    the key and value :class:`BlockTable` holding these rows' pairs, or None (gather rows)."""
     p, work = call.p, call.work
     H, n, T, D = p.H, p.n, p.T, p.D
     nr, c, Lq = rows.shape[0], g.count, s.q_rows
@@ -88,19 +105,27 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
     blocks = call.indices[rows, :c]                                          # (nr, c)
 
     q = call.q.gather(call.q.block_rows(b, h, i[:, None], Lq), work, "q")   # (nr, Lq, D)
-    k_rows = call.k.block_rows(b, h, blocks)                                 # (nr, c 64)
-    v_rows = call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides else k_rows
-    if s.tail:  # slots for the tail rows, overwritten in _append_tail
-        k_rows = torch.cat([k_rows, k_rows[:, :TAIL_ROWS]], dim=1)
-        v_rows = torch.cat([v_rows, v_rows[:, :TAIL_ROWS]], dim=1)
-    k = call.k.gather(k_rows, work, "k")                                     # (nr, L, D)
-    v = call.v.gather(v_rows, work, "v")
-    if call.live is not None:                    # dead rows enter nothing, even holding NaN
-        q = zero_dead(q, ~call.live[i, :Lq])
-        dead_keys = ~call.live[blocks].flatten(1)
-        if s.tail:
-            dead_keys = F.pad(dead_keys, (0, TAIL_ROWS))
-        k, v = zero_dead(k, dead_keys), zero_dead(v, dead_keys)
+    if kv is not None:                           # whole blocks; dead rows already zero
+        extra = TAIL_ROWS if s.tail else 0
+        k = kv[0].gather(rows // n, blocks, extra, work, "gk")               # (nr, L, D)
+        v = kv[1].gather(rows // n, blocks, extra, work, "gv")
+        if call.live is not None:
+            q = zero_dead(q, ~call.live[i, :Lq])
+    else:
+        k_rows = call.k.block_rows(b, h, blocks)                             # (nr, c 64)
+        v_rows = (call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides
+                  else k_rows)
+        if s.tail:  # slots for the tail rows, overwritten in _append_tail
+            k_rows = torch.cat([k_rows, k_rows[:, :TAIL_ROWS]], dim=1)
+            v_rows = torch.cat([v_rows, v_rows[:, :TAIL_ROWS]], dim=1)
+        k = call.k.gather(k_rows, work, "k")                                 # (nr, L, D)
+        v = call.v.gather(v_rows, work, "v")
+        if call.live is not None:                # dead rows enter nothing, even holding NaN
+            q = zero_dead(q, ~call.live[i, :Lq])
+            dead_keys = ~call.live[blocks].flatten(1)
+            if s.tail:
+                dead_keys = F.pad(dead_keys, (0, TAIL_ROWS))
+            k, v = zero_dead(k, dead_keys), zero_dead(v, dead_keys)
 
     mask = dead = None
     if g.masked:
@@ -112,7 +137,9 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
             mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
     o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask,
                                        scale=p.scale)[:, 0]                   # (nr, Lq, D)
-    if dead is not None and bool(dead.any()):    # every term -inf: SPEC.md says 0, not NaN
+    # every term -inf: SPEC.md says 0, not NaN. Off the CPU the select runs unconditionally:
+    # testing for a dead row first would stall the device queue once per SDPA call.
+    if dead is not None and (o.device.type != "cpu" or bool(dead.any())):
         o = torch.where(dead[..., None], torch.zeros((), dtype=o.dtype, device=o.device), o)
     out_rows = call.out.block_rows(b, h, i[:, None], Lq)
     out.view(-1, D).index_copy_(0, out_rows.reshape(-1), o.reshape(-1, D))

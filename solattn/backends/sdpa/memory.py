@@ -1,9 +1,11 @@
 """The one memory model of the portable backend: bytes a chunk of query blocks takes, and how
 many query blocks fit in a budget.
 
-Everything the backend allocates beyond inputs, output and the routing plan is either a
-per-call table of O(T) (:func:`fixed_bytes`) or part of a chunk (:func:`chunk_bytes`); the
-forward sizes every chunk with :func:`rows_per_chunk`, so nothing else needs a model.
+Everything the backend allocates beyond inputs, output and the routing plan is a per-call table
+of O(T) (:func:`fixed_bytes`), the contiguous key and value block layouts of a run of (batch,
+head) pairs (:func:`layout_bytes`, sized by :func:`pairs_per_layout`) or part of a chunk
+(:func:`chunk_bytes`); the forward sizes every chunk with :func:`rows_per_chunk`, so nothing
+else needs a model.
 """
 
 from __future__ import annotations
@@ -37,24 +39,31 @@ class ChunkShape:
     elt: int             # bytes per input element
     mask_elt: int        # bytes per mask element (0: no mask)
     tail: bool           # the tail column is on: the mask holds one row per query row
+    blocks: bool = False  # k, v gathered as whole blocks from layouts (the tail: one whole block)
 
     @property
     def keys(self) -> int:
         return self.key_blocks * BLOCK + (TAIL_ROWS if self.tail else 0)
 
+    @property
+    def gathered_keys(self) -> int:
+        """Key rows the k and v gathers hold (a whole zero block for the tail from layouts)."""
+        return (self.key_blocks + 1) * BLOCK if self.tail and self.blocks else self.keys
+
 
 def chunk_bytes(rows: int, s: ChunkShape) -> int:
     """Peak bytes of one chunk of ``rows`` query blocks of shape ``s``.
 
-    Per query block: gathered q, k, v and their int64 row numbers; SDPA's output and its fp32
-    accumulators; the scores a math-fallback kernel materialises; with a mask, the fp32 mask
-    and its copy in the mask dtype (one row per key block, or per query row with the tail,
-    plus the tail's fp32 query copy and row logits).
+    Per query block: gathered q, k, v and their int64 row (or block) numbers; SDPA's output
+    and its fp32 accumulators; the scores a math-fallback kernel materialises; with a mask, the
+    fp32 mask and its copy in the mask dtype (one row per key block, or per query row with the
+    tail, plus the tail's fp32 query copy and row logits).
     """
     Lq, L, D = s.q_rows, s.keys, s.D
+    index_rows = Lq + (2 * (s.key_blocks + 1) if s.blocks else 2 * L)
     per = (Lq * D * s.elt * 2                 # gathered q, SDPA output
-           + 2 * L * D * s.elt                # gathered k, v
-           + 2 * (Lq + 2 * L) * _INDEX        # row numbers and their temporaries
+           + 2 * s.gathered_keys * D * s.elt  # gathered k, v
+           + 2 * index_rows * _INDEX          # row numbers and their temporaries
            + Lq * D * 4                       # fp32 accumulators inside SDPA
            + Lq * L * 4)                      # scores of a math-fallback kernel
     if s.mask_elt:
@@ -71,6 +80,21 @@ def fixed_bytes(B: int, T: int, H: int, n: int, bias_rows: int, masked: bool) ->
     block (keys, masks, row numbers)."""
     table = 2 * bias_rows * n * BLOCK * 4 if masked else 0
     return table + 4 * n * BLOCK * _INDEX + B * H * n * 8 * 4
+
+
+def layout_bytes(pairs: int, n: int, D: int, elt: int) -> int:
+    """The key and value block layouts of ``pairs`` (batch, head) pairs, plus their zero blocks."""
+    return 2 * (pairs * n + 1) * BLOCK * D * elt
+
+
+def pairs_per_layout(budget: int, pairs: int, n: int, D: int, elt: int) -> int:
+    """(batch, head) pairs whose layouts take at most half of ``budget`` (the other half is for
+    the chunks' gathers); 0 when not even one pair fits, and the backend then gathers rows
+    straight from the inputs."""
+    half = budget // 2
+    if layout_bytes(1, n, D, elt) > half:
+        return 0
+    return min(pairs, max(1, (half - 2 * BLOCK * D * elt) // (2 * n * BLOCK * D * elt)))
 
 
 def rows_per_chunk(budget: int, s: ChunkShape, device: torch.device) -> int:
