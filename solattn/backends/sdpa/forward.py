@@ -99,10 +99,10 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
     """One SDPA call for query blocks ``rows`` of group ``g``; writes their output rows. ``kv``:
     the key and value :class:`BlockTable` holding these rows' pairs, or None (gather rows)."""
     p, work = call.p, call.work
-    H, n, T, D = p.H, p.n, p.T, p.D
-    nr, c, Lq = rows.shape[0], g.count, s.q_rows
+    H, n, D = p.H, p.n, p.D
+    count, Lq = g.count, s.q_rows
     b, h, i = rows // (H * n), (rows // n) % H, rows % n
-    blocks = call.indices[rows, :c]                                          # (nr, c)
+    blocks = call.indices[rows, :count]                                      # (nr, count)
 
     q = call.q.gather(call.q.block_rows(b, h, i[:, None], Lq), work, "q")   # (nr, Lq, D)
     if kv is not None:                           # whole blocks; dead rows already zero
@@ -112,7 +112,7 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
         if call.live is not None:
             q = zero_dead(q, ~call.live[i, :Lq])
     else:
-        k_rows = call.k.block_rows(b, h, blocks)                             # (nr, c 64)
+        k_rows = call.k.block_rows(b, h, blocks)                             # (nr, count * 64)
         v_rows = (call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides
                   else k_rows)
         if s.tail:  # slots for the tail rows, overwritten in _append_tail
@@ -129,7 +129,7 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
 
     mask = dead = None
     if g.masked:
-        base = _key_bias_rows(call, b, blocks)                               # (nr, c 64) fp32
+        base = _key_bias_rows(call, b, blocks)                               # (nr, count * 64) fp32
         if s.tail:
             k, v, mask, dead = _append_tail(call, q, k, v, base, b, h, i)
         else:
@@ -147,14 +147,14 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
 
 
 def _key_bias_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """``(nr, c 64)`` fp32 additive bias of the gathered key slots (zeros without a bias table)."""
-    nr, c = blocks.shape
+    """``(nr, count * 64)`` fp32 additive bias of the gathered key slots (zeros without a bias table)."""
+    nr, count = blocks.shape
     table = call.slot_bias
     if table is None:
-        return torch.zeros(nr, c * BLOCK, dtype=torch.float32, device=blocks.device)
+        return torch.zeros(nr, count * BLOCK, dtype=torch.float32, device=blocks.device)
     n = call.p.n
     rows = blocks + (b[:, None] * n if table.shape[0] > n else 0)
-    return table.index_select(0, rows.reshape(-1)).view(nr, c * BLOCK)
+    return table.index_select(0, rows.reshape(-1)).view(nr, count * BLOCK)
 
 
 def _append_tail(call: _Call, q, k, v, base, b, h, i):

@@ -58,12 +58,12 @@ class RowTable:
 
     def block_rows(self, b: torch.Tensor, h: torch.Tensor, blocks: torch.Tensor,
                    slots: int = BLOCK) -> torch.Tensor:
-        """``(N, c * slots)`` row numbers of the first ``slots`` rows of key or query blocks
-        ``blocks`` (``(N, c)``) of (batch, head) pairs ``b``, ``h`` (``(N,)``): one gather and one
+        """``(N, count * slots)`` row numbers of the first ``slots`` rows of key or query blocks
+        ``blocks`` (``(N, count)``) of (batch, head) pairs ``b``, ``h`` (``(N,)``): one gather and one
         add per chunk."""
         sb, _, sh = self.row_strides
         base = (b * sb + h * sh)[:, None, None]
-        rows = self.slot_rows[:, :slots][blocks]                             # (N, c, slots)
+        rows = self.slot_rows[:, :slots][blocks]                             # (N, count, slots)
         return rows.add_(base).flatten(1)
 
     def gather(self, rows: torch.Tensor, work: Workspace, name: str) -> torch.Tensor:
@@ -120,10 +120,10 @@ class BlockTable:
 
     def gather(self, pairs: torch.Tensor, blocks: torch.Tensor, extra_rows: int,
                work: Workspace, name: str) -> torch.Tensor:
-        """``(N, c 64 + extra_rows, D)``: key blocks ``blocks`` (``(N, c)``) of pairs ``pairs``
+        """``(N, count * 64 + extra_rows, D)``: key blocks ``blocks`` (``(N, count)``) of pairs ``pairs``
         (``(N,)``), then ``extra_rows`` (at most 64) zero rows. With extra rows the result is a
-        view whose batch stride is ``(c + 1) 64 D``: one whole zero block is gathered."""
-        N, c = blocks.shape
+        view whose batch stride is ``(count + 1) 64 D``: one whole zero block is gathered."""
+        N, count = blocks.shape
         idx = (pairs - self.first)[:, None] * self.n + blocks
         if extra_rows:
             idx = torch.cat([idx, idx.new_full((N, 1), self.zero_block)], dim=1)
@@ -133,4 +133,4 @@ class BlockTable:
             g = torch.index_select(self.flat, 0, flat, out=buf)
         else:
             g = self.flat.index_select(0, flat)
-        return g.view(N, idx.shape[1] * BLOCK, self.D)[:, :c * BLOCK + extra_rows]
+        return g.view(N, idx.shape[1] * BLOCK, self.D)[:, :count * BLOCK + extra_rows]

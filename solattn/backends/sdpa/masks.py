@@ -56,12 +56,12 @@ def rounded_shift(shift: torch.Tensor, mdt: torch.dtype) -> torch.Tensor:
     no re-centring): the constant :func:`finish_mask` subtracts from each row."""
     if mdt == torch.float32:
         return torch.zeros_like(shift)
-    c = shift.detach().to(mdt).to(torch.float32)
-    return torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+    rounded = shift.detach().to(mdt).to(torch.float32)
+    return torch.where(torch.isfinite(rounded), rounded, torch.zeros_like(rounded))
 
 
 def finish_mask(mask: torch.Tensor, mdt: torch.dtype, row_shift: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The fp32 mask ``(..., L)`` made safe for SDPA in dtype ``mdt``.
+    """The fp32 mask ``(..., keys)`` made safe for SDPA in dtype ``mdt``.
 
     - ``row_shift`` (``mask.shape[:-1]``, finite or -inf), when given, is rounded to ``mdt`` and
       subtracted from its row (a softmax does not change when every logit of a row moves by one

@@ -59,16 +59,16 @@ def chunk_bytes(rows: int, s: ChunkShape) -> int:
     fp32 mask and its copy in the mask dtype (one row per key block, or per query row with the
     tail, plus the tail's fp32 query copy and row logits).
     """
-    Lq, L, D = s.q_rows, s.keys, s.D
-    index_rows = Lq + (2 * (s.key_blocks + 1) if s.blocks else 2 * L)
+    Lq, keys, D = s.q_rows, s.keys, s.D
+    index_rows = Lq + (2 * (s.key_blocks + 1) if s.blocks else 2 * keys)
     per = (Lq * D * s.elt * 2                 # gathered q, SDPA output
            + 2 * s.gathered_keys * D * s.elt  # gathered k, v
            + 2 * index_rows * _INDEX          # row numbers and their temporaries
            + Lq * D * 4                       # fp32 accumulators inside SDPA
-           + Lq * L * 4)                      # scores of a math-fallback kernel
+           + Lq * keys * 4)                      # scores of a math-fallback kernel
     if s.mask_elt:
         mask_rows = Lq if s.tail else 1
-        per += mask_rows * L * (4 * 2 + s.mask_elt)       # fp32 mask, re-centred copy, cast
+        per += mask_rows * keys * (4 * 2 + s.mask_elt)       # fp32 mask, re-centred copy, cast
         if s.tail:
             per += Lq * D * 4 + Lq * 4 * 2                # fp32 queries for q . m, tail logits
     return rows * per
