@@ -3,13 +3,13 @@
 #   gpu_tests.log   the whole test suite on the GPU machine
 #   checks.log      `solattn info`, the sdpa mask diagnosis, VSA on triton vs sdpa with a gate
 #   h200quick/      benchmarks/bench_h200.py --quick (kernel correctness, H3 and seed timings)
-#   main/           python -m solattn bench at the H3 and seed shapes (tail rows too)
+#   (python -m solattn bench --shapes h3 seed --tail runs in a second call: one call is 10 minutes at most)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
 export SOLATTN_REVISION=$(cat COMMIT 2>/dev/null)
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/h200quick" "$OUT/main"
+mkdir -p "$OUT/h200quick"
 cat COMMIT 2>/dev/null
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv
@@ -31,4 +31,4 @@ PY
 } > "$OUT/checks.log" 2>&1
 timeout 330 python -m pytest -q -p no:cacheprovider tests/ > "$OUT/gpu_tests.log" 2>&1
 tail -3 "$OUT/gpu_tests.log"
-timeout 200 python benchmarks/bench_h200.py --quick --out "$OUT/h200quick" --budget-s 150 2>&1 | tail -25
+timeout 200 python benchmarks/bench_h200.py --quick --variants --out "$OUT/h200quick" --budget-s 150 2>&1 | tail -25
