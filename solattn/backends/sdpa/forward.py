@@ -175,7 +175,7 @@ def _append_tail(call: _Call, q, k, v, base, b, h, i, block_residual=None):
     has one row per query row. Returns k, v, the mask in the device's dtype and the all-masked
     query rows."""
     p, plan = call.p, call.plan
-    nr, Lq = q.shape[0], q.shape[1]
+    nr = q.shape[0]
     E = base.shape[1]                                                        # exact key slots
     if k.requires_grad or v.requires_grad:       # keep the gathered tensors out of in-place ops
         k, v = k.clone(), v.clone()
