@@ -477,6 +477,51 @@ def test_sdpa_bf16_tail_error_does_not_grow_with_logits(gpu_masks, monkeypatch):
     assert logit > 1000
 
 
+@pytest.mark.parametrize("gpu_masks", [False, True], ids=["cpu-fp32-mask", "gpu-bf16-mask"])
+def test_sdpa_tail_mask_per_row_only_where_the_residual_varies(gpu_masks, monkeypatch):
+    """The tail's rounding residual r_t = scale q_t . (m - round_bf16(m)) takes one mask row per
+    query row only in query blocks where it spreads more than 2**-10 around its block mean; on
+    ordinary inputs that is few blocks, with a large key centroid (keys + 300, bf16 ulp 2) all.
+    Either way the output matches the reference at bf16 precision."""
+    from solattn.backends import sdpa as sdpamod
+    if gpu_masks:
+        monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+    groups = []
+    real = sdpamod.forward.group_rows
+    monkeypatch.setattr(sdpamod.forward, "group_rows", lambda *a: groups.append(real(*a)) or groups[-1])
+    shapes = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy_sdpa(q, k, v, attn_mask=None, **kw):
+        shapes.append(tuple(attn_mask.shape))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa)
+    B, T, H, D = 1, 1024, 2, 128
+    n = T // BLOCK
+    q, k0, v = make_qkv(B, T, H, D, dtype=torch.bfloat16, seed=5)
+    fractions = {}
+    for offset in (0.0, 300.0):
+        k = (k0.float() + offset).to(torch.bfloat16)
+        groups.clear()
+        shapes.clear()
+        got = solattn.sol_attn(q, k, v, topk_ratio=0.1, backend="sdpa")
+        want = solattn.sol_attn(q, k, v, topk_ratio=0.1, backend="reference")
+        assert rel_l2(got, want) < TOL[torch.bfloat16], offset
+        # the rule, from its definition
+        m = build_plan(validate(q, k, v, topk_ratio=0.1)).key_mean[:, :, 0]
+        r = D ** -0.5 * torch.einsum("bthd,bhd->bht", q.float(), m - m.to(torch.bfloat16).float())
+        r = r.reshape(B * H * n, BLOCK)
+        want_rows = ((r - r.mean(1, keepdim=True)).abs().amax(1) > 2.0 ** -10).nonzero()[:, 0]
+        per_row = torch.cat([g.rows for g in groups[0] if g.row_mask] + [torch.zeros(0, dtype=torch.long)])
+        assert torch.equal(per_row.sort().values, want_rows), offset
+        fractions[offset] = per_row.numel() / (B * H * n)
+        # each SDPA call: one mask row per query row on the per-row path, one per block elsewhere
+        assert sum(s[0] for s in shapes if s[2] == BLOCK) == per_row.numel(), offset
+        assert sum(s[0] for s in shapes if s[2] == 1) == B * H * n - per_row.numel(), offset
+    assert fractions[0.0] < 0.25 and fractions[300.0] == 1.0, fractions
+
+
 @pytest.mark.parametrize("device", SDPA_DEVICES)
 @pytest.mark.parametrize("bias_shape", ["T", "BT", "B11T"])
 @pytest.mark.parametrize("tail", [True, False], ids=["tail", "notail"])
@@ -550,6 +595,10 @@ def test_sdpa_grouping_splits_rows_by_count_mask_and_raggedness():
                    (3, False, False): [0], (3, False, True): [3], (3, True, False): [2]}
     assert [(g.count, g.rows.tolist()) for g in group_rows(counts, None, None)] == \
         [(1, [1, 4]), (2, [5]), (3, [0, 2, 3])]
+    row_mask = torch.tensor([True, False, False, True, False, False])
+    got = {(g.count, g.row_mask, g.masked): g.rows.tolist() for g in group_rows(counts, masked, None, row_mask)}
+    assert got == {(1, False, True): [1, 4], (2, False, False): [5], (3, True, False): [0, 3],
+                   (3, False, True): [2]}
 
 
 def test_plan_marks_query_blocks_touching_dead_keys():

@@ -15,7 +15,8 @@ from ...validation import BLOCK, Problem
 from . import masks
 from .grouping import Group, group_rows, needs_mask
 from .layout import BlockTable, RowTable, Workspace, zero_dead
-from .memory import TAIL_ROWS, ChunkShape, fixed_bytes, layout_bytes, pairs_per_layout, rows_per_chunk
+from .memory import (TAIL_ROWS, ChunkShape, fixed_bytes, layout_bytes, pairs_per_layout, residual_tokens,
+                     rows_per_chunk)
 
 #: working memory beyond inputs, output and the routing plan, bytes (``solattn.set_memory_budget``,
 #: ``solattn.memory_budget`` or ``SOLATTN_SDPA_BUDGET``; 1 GiB by default)
@@ -42,6 +43,7 @@ class _Call:
     out: RowTable                      # row numbers of the (contiguous) output
     mdt: torch.dtype
     work: Workspace
+    tail_mean: Optional[torch.Tensor] = None  # (B H n,) fp32 mean tail residual per query block
 
 
 def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.Tensor:
@@ -61,11 +63,15 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
                  mdt=masks.mask_dtype(dev, dt), work=Workspace(enabled=not grad))
     masked = needs_mask(plan, p.key_bias is not None, tail)
     rows = torch.arange(B * H * n, device=dev)
+    chunk_budget = nbytes - fixed_bytes(B, T, H, n, 0 if slot_bias is None else slot_bias.shape[0],
+                                        masked is not None, tail)
+    row_mask = None
+    if tail:   # before any layout or chunk exists, so the pass may use the whole chunk budget
+        tail_mean, row_mask = masks.tail_residuals(p, plan, residual_tokens(chunk_budget, B, H, D, dev))
+        call.tail_mean, row_mask = tail_mean.reshape(-1), row_mask.reshape(-1)
     groups = group_rows(plan.kv_num_blocks.reshape(-1),
                         None if masked is None else masked.reshape(-1),
-                        None if T % BLOCK == 0 else rows % n == n - 1)
-    chunk_budget = nbytes - fixed_bytes(B, T, H, n, 0 if slot_bias is None else slot_bias.shape[0],
-                                        masked is not None)
+                        None if T % BLOCK == 0 else rows % n == n - 1, row_mask)
     elt, mask_elt = torch.finfo(dt).bits // 8, torch.finfo(call.mdt).bits // 8
     # Keys and values laid out as contiguous blocks per run of (batch, head) pairs, when one
     # pair's layouts fit in half the budget (the common case); else rows straight from the inputs.
@@ -77,7 +83,7 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     for g in groups:
         shape = ChunkShape(q_rows=T - BLOCK * (n - 1) if g.ragged else BLOCK, key_blocks=g.count,
                            D=D, elt=elt, mask_elt=mask_elt if g.masked else 0, tail=tail,
-                           blocks=bool(run))
+                           blocks=bool(run), row_mask=g.row_mask)
         cuts = torch.searchsorted(g.rows, torch.tensor(edges, device=dev) * n).tolist()
         plans.append((g, shape, rows_per_chunk(chunk_budget, shape, dev), cuts))
     for e in range(len(edges) - 1):
@@ -131,7 +137,8 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
     if g.masked:
         base = _key_bias_rows(call, b, blocks)                               # (nr, count * 64) fp32
         if s.tail:
-            k, v, mask, dead = _append_tail(call, q, k, v, base, b, h, i)
+            k, v, mask, dead = _append_tail(call, q, k, v, base, b, h, i,
+                                            None if g.row_mask else call.tail_mean[rows])
         else:
             dead = torch.isneginf(base).all(dim=1)[:, None]                  # (nr, 1)
             mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
@@ -157,16 +164,18 @@ def _key_bias_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor) -> torch.
     return table.index_select(0, rows.reshape(-1)).view(nr, count * BLOCK)
 
 
-def _append_tail(call: _Call, q, k, v, base, b, h, i):
+def _append_tail(call: _Call, q, k, v, base, b, h, i, block_residual=None):
     """Fill the tail slots: the centroid as key and the tail's mean value in the first, masked
     padding after it. The exact keys are not centred, so the tail's logit carries the centroid:
     ``tail_lse_i + scale q_t . m``. The key ``m`` rounded to the input dtype gives the bulk of
     ``scale q_t . m`` (exact products, fp32 sums in the kernel); the rounding residual
-    ``scale q_t . (m - round(m))`` varies per query row ``t``, so it rides in the mask, which then
+    ``r_t = scale q_t . (m - round(m))`` varies per query row ``t``. Where it barely varies within
+    the block, ``block_residual`` (``(nr,)``, its mean over the block's live rows) stands for it
+    and the mask has one row per block, broadcast over the query rows; otherwise (None) the mask
     has one row per query row. Returns k, v, the mask in the device's dtype and the all-masked
     query rows."""
     p, plan = call.p, call.plan
-    nr, Lq = q.shape[0], q.shape[1]
+    nr = q.shape[0]
     E = base.shape[1]                                                        # exact key slots
     if k.requires_grad or v.requires_grad:       # keep the gathered tensors out of in-place ops
         k, v = k.clone(), v.clone()
@@ -176,19 +185,23 @@ def _append_tail(call: _Call, q, k, v, base, b, h, i):
     k[:, E] = m_key
     v[:, E:] = 0
     v[:, E] = plan.tail_value[b, h, i].to(v.dtype)
-    residual = (m - m_key.to(torch.float32))[:, :, None]
     lse = plan.tail_lse[b, h, i]                                             # (nr,)
-    tail_logit = lse[:, None] + p.scale * torch.bmm(q.to(torch.float32), residual)[..., 0]  # (nr, Lq)
+    if block_residual is None:
+        residual = (m - m_key.to(torch.float32))[:, :, None]
+        tail_logit = lse[:, None] + p.scale * torch.bmm(q.to(torch.float32), residual)[..., 0]  # (nr, Lq)
+    else:
+        tail_logit = (lse + block_residual)[:, None]                         # (nr, 1)
+    mask_rows = tail_logit.shape[1]
     # Re-centre each query block by its rounded tail_lse (see masks.finish_mask): the exact part
-    # stays one row per block, so building the per-row mask is a single broadcast copy.
+    # stays one row per block, so building a per-row mask is a single broadcast copy.
     exact = masks.finish_mask(base, call.mdt, row_shift=lse)                # (nr, E) mask dtype
     shift = masks.rounded_shift(lse, call.mdt)
-    tail_entry = masks.finish_mask(tail_logit - shift[:, None], call.mdt)   # (nr, Lq)
-    mask = call.work.empty("mask", (nr, Lq, E + TAIL_ROWS), call.mdt, q.device)
+    tail_entry = masks.finish_mask(tail_logit - shift[:, None], call.mdt)   # (nr, mask_rows)
+    mask = call.work.empty("mask", (nr, mask_rows, E + TAIL_ROWS), call.mdt, q.device)
     mask[:, :, :E] = exact[:, None, :]
     mask[:, :, E] = tail_entry
     mask[:, :, E + 1:] = -math.inf
-    dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)     # (nr, Lq)
+    dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)     # (nr, mask_rows)
     return k, v, mask[:, None], dead
 
 

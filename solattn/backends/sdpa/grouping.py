@@ -3,8 +3,10 @@
 Query blocks ("rows": one per (batch, head, query block), numbered ``(b H + h) n + i``) that keep
 the same number ``c`` of exact key blocks gather key tensors of one length, so a group runs as
 one batched SDPA call. Within a count, blocks that need no mask are kept apart from those that
-do (the device's fastest kernel runs without one), and the ragged last query block (T not a
-multiple of 64) is kept apart because it has fewer than 64 query rows.
+do (the device's fastest kernel runs without one), the ragged last query block (T not a
+multiple of 64) is kept apart because it has fewer than 64 query rows, and with the tail, blocks
+whose tail logit needs one mask row per query row are kept apart from those that take one mask
+row per block.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Group:
     masked: bool          # rows whose keys include a masked slot (bias, dead row, tail)
     ragged: bool          # rows of the ragged last query block (T % 64 != 0)
     rows: torch.Tensor    # (N,) int64 row numbers, ascending
+    row_mask: bool = False  # the tail's mask entry differs per query row (one mask row per query row)
 
 
 def needs_mask(plan: Plan, any_bias: bool, tail: bool) -> Optional[torch.Tensor]:
@@ -36,11 +39,14 @@ def needs_mask(plan: Plan, any_bias: bool, tail: bool) -> Optional[torch.Tensor]
     return None
 
 
-def group_rows(counts: torch.Tensor, masked: Optional[torch.Tensor], ragged: Optional[torch.Tensor]
-               ) -> List[Group]:
-    """Split rows by (count, masked, ragged). ``counts``: ``(R,)`` int; ``masked``, ``ragged``:
-    ``(R,)`` bool or None (all False). Groups come in ascending key order; one host sync per group."""
-    key = counts.long() * 4
+def group_rows(counts: torch.Tensor, masked: Optional[torch.Tensor], ragged: Optional[torch.Tensor],
+               row_mask: Optional[torch.Tensor] = None) -> List[Group]:
+    """Split rows by (count, row_mask, masked, ragged). ``counts``: ``(R,)`` int; ``masked``,
+    ``ragged``, ``row_mask``: ``(R,)`` bool or None (all False). Groups come in ascending key
+    order; one host sync per group."""
+    key = counts.long() * 8
+    if row_mask is not None:
+        key = key + row_mask.long() * 4
     if masked is not None:
         key = key + masked.long() * 2
     if ragged is not None:
@@ -48,5 +54,6 @@ def group_rows(counts: torch.Tensor, masked: Optional[torch.Tensor], ragged: Opt
     groups = []
     for k in torch.unique(key).tolist():
         rows = torch.nonzero(key == k).squeeze(1)
-        groups.append(Group(count=k // 4, masked=bool(k & 2), ragged=bool(k & 1), rows=rows))
+        groups.append(Group(count=k // 8, masked=bool(k & 2), ragged=bool(k & 1), rows=rows,
+                            row_mask=bool(k & 4)))
     return groups

@@ -75,3 +75,42 @@ def finish_mask(mask: torch.Tensor, mdt: torch.dtype, row_shift: Optional[torch.
         mask = mask - rounded_shift(row_shift, mdt)[..., None]
     big = finite_limit(mdt)
     return torch.where(torch.isneginf(mask), mask, mask.clamp(-big, big)).to(mdt)
+
+
+#: Largest spread ``max_t |r_t - mean_r|`` of the tail's per-row residual over a query block's
+#: live rows for which the block's tail logit takes the block mean instead: below bf16's own
+#: relative precision (2**-8), so it is lost next to the rounding of the exact logits.
+ROW_MASK_EPS = 2.0 ** -10
+
+
+def tail_residuals(p: Problem, plan: Plan, step: int):
+    """The tail's rounding residual ``r_t = scale q_t . (m - round(m))`` (``round``: to the input
+    dtype, as the tail's key) summarised per query block: ``(B, H, n)`` fp32 mean over the block's
+    live rows (differentiable in q) and ``(B, H, n)`` bool, True where some live row lies more than
+    :data:`ROW_MASK_EPS` from that mean (the block then needs one mask row per query row).
+    ``step`` tokens (a multiple of 64) at a time; no host sync."""
+    B, T, H, n = p.B, p.T, p.H, p.n
+    dev = p.device
+    m = plan.key_mean[:, :, 0]                                               # (B, H, D) fp32
+    mean = torch.zeros(B, H, n, dtype=torch.float32, device=dev)
+    per_row = torch.zeros(B, H, n, dtype=torch.bool, device=dev)
+    if m.to(p.dtype).dtype == torch.float32:    # fp32 inputs: the key is m itself, r = 0
+        return mean, per_row
+    res = m - m.to(p.dtype).to(torch.float32)
+    live = torch.arange(n * BLOCK, device=dev).view(n, BLOCK) < T
+    if p.block_len is not None:
+        live = live & (torch.arange(BLOCK, device=dev)[None, :] < plan.block_len[:, None])
+    means = []
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        j0, j1 = t0 // BLOCK, (t1 + BLOCK - 1) // BLOCK
+        r = p.scale * torch.einsum("bthd,bhd->bht", p.q[:, t0:t1].to(torch.float32), res)
+        r = torch.nn.functional.pad(r, (0, (j1 - j0) * BLOCK - (t1 - t0))).view(B, H, j1 - j0, BLOCK)
+        lv = live[j0:j1]
+        r = torch.where(lv, r, torch.zeros((), device=dev))        # dead rows may hold NaN
+        mu = r.sum(-1) / lv.sum(-1).clamp(min=1)
+        means.append(mu)
+        with torch.no_grad():
+            spread = torch.where(lv, (r - mu[..., None]).abs(), torch.zeros((), device=dev)).amax(-1)
+            per_row[:, :, j0:j1] = ~(spread <= ROW_MASK_EPS)         # NaN or inf: per row
+    return torch.cat(means, dim=2), per_row

@@ -38,8 +38,9 @@ class ChunkShape:
     D: int
     elt: int             # bytes per input element
     mask_elt: int        # bytes per mask element (0: no mask)
-    tail: bool           # the tail column is on: the mask holds one row per query row
+    tail: bool           # the tail column is on
     blocks: bool = False  # k, v gathered as whole blocks from layouts (the tail: one whole block)
+    row_mask: bool = True  # with the tail: the mask holds one row per query row (else one per block)
 
     @property
     def keys(self) -> int:
@@ -56,8 +57,8 @@ def chunk_bytes(rows: int, s: ChunkShape) -> int:
 
     Per query block: gathered q, k, v and their int64 row (or block) numbers; SDPA's output
     and its fp32 accumulators; the scores a math-fallback kernel materialises; with a mask, the
-    fp32 mask and its copy in the mask dtype (one row per key block, or per query row with the
-    tail, plus the tail's fp32 query copy and row logits).
+    fp32 mask and its copy in the mask dtype (one row per query block, or one per query row
+    where the tail's per-row residual matters, plus the tail's fp32 query copy and row logits).
     """
     Lq, keys, D = s.q_rows, s.keys, s.D
     index_rows = Lq + (2 * (s.key_blocks + 1) if s.blocks else 2 * keys)
@@ -67,19 +68,34 @@ def chunk_bytes(rows: int, s: ChunkShape) -> int:
            + Lq * D * 4                       # fp32 accumulators inside SDPA
            + Lq * keys * 4)                      # scores of a math-fallback kernel
     if s.mask_elt:
-        mask_rows = Lq if s.tail else 1
+        per_row = s.tail and s.row_mask
+        mask_rows = Lq if per_row else 1
         per += mask_rows * keys * (4 * 2 + s.mask_elt)       # fp32 mask, re-centred copy, cast
-        if s.tail:
+        if per_row:
             per += Lq * D * 4 + Lq * 4 * 2                # fp32 queries for q . m, tail logits
     return rows * per
 
 
-def fixed_bytes(B: int, T: int, H: int, n: int, bias_rows: int, masked: bool) -> int:
+def fixed_bytes(B: int, T: int, H: int, n: int, bias_rows: int, masked: bool, tail: bool = False) -> int:
     """Per-call tables outside the chunks: the key-slot bias table (and its masked copy), the
     row offsets of every (block, slot) of q, k, v and the output, group bookkeeping per query
-    block (keys, masks, row numbers)."""
+    block (keys, masks, row numbers) and, with the tail, the residual's mean, spread and flag
+    per query block."""
     table = 2 * bias_rows * n * BLOCK * 4 if masked else 0
-    return table + 4 * n * BLOCK * _INDEX + B * H * n * 8 * 4
+    residual = B * H * n * (4 * 2 + 1) if tail else 0
+    return table + residual + 4 * n * BLOCK * _INDEX + B * H * n * 8 * 4
+
+
+def residual_token_bytes(B: int, H: int, D: int) -> int:
+    """Bytes per token of the tail-residual pass: q's fp32 copy and the copy the batched dot may
+    make of it, then the residuals and their masked and centred temporaries (fp32)."""
+    return B * H * (2 * D * 4 + 8 * 4)
+
+
+def residual_tokens(budget: int, B: int, H: int, D: int, device: torch.device) -> int:
+    """Tokens per step of the tail-residual pass (a multiple of 64, at least 64)."""
+    budget = min(budget, CHUNK_CAP.get(device.type, budget))
+    return max(1, budget // residual_token_bytes(B, H, D) // BLOCK) * BLOCK
 
 
 def layout_bytes(pairs: int, n: int, D: int, elt: int) -> int:
