@@ -78,7 +78,10 @@ def test_sdpa_small_budget_bounds_working_memory_at_T_262144():
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout.strip().splitlines()[-1])
     assert info["finite"]
-    assert info["working"] < budget + (16 << 20), info
+    # Resident-memory peaks of the same call vary run to run (allocator arenas, huge pages):
+    # 26-39 MB typically, 58 MB once in a full-suite run. The per-head layouts this bound exists
+    # to catch took 301 MB here.
+    assert info["working"] < budget + (32 << 20), info
 
 
 MODEL_SCRIPT = textwrap.dedent("""
