@@ -49,7 +49,7 @@ def recompute_grads(forward, inputs, grad_out, requested: Optional[str], require
     silent ``None``. ``settings`` (from :func:`forward_settings`) runs the recomputation under the
     scoped settings (``use_backend``, ``memory_budget``) that were in force at the forward call."""
     if settings is not None:
-        return settings.run(recompute_grads, forward, inputs, grad_out, requested, required)
+        return settings.copy().run(recompute_grads, forward, inputs, grad_out, requested, required)  # a copy: two backward passes of one graph may run at once
     name = dispatch.differentiable_request(requested)
     leaves = [t.detach().requires_grad_(True) if t is not None else None for t in inputs]
     with torch.enable_grad(), dispatch.without_forced_backend():

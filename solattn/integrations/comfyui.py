@@ -205,9 +205,9 @@ class SparseAttention:
             opts = kwargs.get("transformer_options") or {}
 
             def dense():
-                kw = dict(mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
-                          skip_output_reshape=skip_output_reshape, **kwargs)
-                return func(q, k, v, heads, **kw) if previous is None else previous(func, q, k, v, heads, **kw)
+                return _previous_attention(previous, func, q, k, v, heads, mask=mask,
+                                           attn_precision=attn_precision, skip_reshape=skip_reshape,
+                                           skip_output_reshape=skip_output_reshape, **kwargs)
 
             if mask is not None:
                 self.note("mask", "dense: masked attention call (solattn takes no attention mask)")
@@ -278,9 +278,9 @@ class SparseAttention:
         def override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                      skip_output_reshape=False, **kwargs):
             def dense():
-                kw = dict(mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
-                          skip_output_reshape=skip_output_reshape, **kwargs)
-                return func(q, k, v, heads, **kw) if previous is None else previous(func, q, k, v, heads, **kw)
+                return _previous_attention(previous, func, q, k, v, heads, mask=mask,
+                                           attn_precision=attn_precision, skip_reshape=skip_reshape,
+                                           skip_output_reshape=skip_output_reshape, **kwargs)
 
             if mask is not None or not skip_reshape or q.shape != k.shape or q.shape != v.shape:
                 self.note("vsa_call", f"dense: block {block_index} attention call is not the packed "
@@ -333,6 +333,11 @@ class SparseAttention:
             return extra["original_block"]({**args, "attention": attention})
 
         return block_patch
+
+
+def _previous_attention(previous, func, q, k, v, heads, **kw):
+    """The attention that was there before: the override installed earlier, or ComfyUI's own."""
+    return func(q, k, v, heads, **kw) if previous is None else previous(func, q, k, v, heads, **kw)
 
 
 def _comfy_layout(out: torch.Tensor, skip_output_reshape: bool) -> torch.Tensor:

@@ -111,12 +111,12 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
     blocks = call.indices[rows, :count]                                      # (nr, count)
 
     q = call.q.gather(call.q.block_rows(b, h, i[:, None], Lq), work, "q")   # (nr, Lq, D)
+    if call.live is not None:                    # dead rows enter nothing, even holding NaN
+        q = zero_dead(q, ~call.live[i, :Lq])
     if kv is not None:                           # whole blocks; dead rows already zero
         extra = TAIL_ROWS if s.tail else 0
         k = kv[0].gather(rows // n, blocks, extra, work, "gk")               # (nr, L, D)
         v = kv[1].gather(rows // n, blocks, extra, work, "gv")
-        if call.live is not None:
-            q = zero_dead(q, ~call.live[i, :Lq])
     else:
         k_rows = call.k.block_rows(b, h, blocks)                             # (nr, count * 64)
         v_rows = (call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides
@@ -126,8 +126,7 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
             v_rows = torch.cat([v_rows, v_rows[:, :TAIL_ROWS]], dim=1)
         k = call.k.gather(k_rows, work, "k")                                 # (nr, L, D)
         v = call.v.gather(v_rows, work, "v")
-        if call.live is not None:                # dead rows enter nothing, even holding NaN
-            q = zero_dead(q, ~call.live[i, :Lq])
+        if call.live is not None:
             dead_keys = ~call.live[blocks].flatten(1)
             if s.tail:
                 dead_keys = F.pad(dead_keys, (0, TAIL_ROWS))

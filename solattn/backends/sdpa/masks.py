@@ -94,7 +94,7 @@ def tail_residuals(p: Problem, plan: Plan, step: int):
     m = plan.key_mean[:, :, 0]                                               # (B, H, D) fp32
     mean = torch.zeros(B, H, n, dtype=torch.float32, device=dev)
     per_row = torch.zeros(B, H, n, dtype=torch.bool, device=dev)
-    if m.to(p.dtype).dtype == torch.float32:    # fp32 inputs: the key is m itself, r = 0
+    if p.dtype == torch.float32:    # fp32 inputs: the key is m itself, r = 0
         return mean, per_row
     res = m - m.to(p.dtype).to(torch.float32)
     live = torch.arange(n * BLOCK, device=dev).view(n, BLOCK) < T
