@@ -312,15 +312,9 @@ def installed_devices() -> Optional[Tuple[str, ...]]:
 def available_devices(include_cpu: bool = True) -> Tuple[str, ...]:
     """Device types present here that the plug-in can serve: ``xpu`` and ``mps`` when
     available, then ``cpu`` (unless ``include_cpu`` is False)."""
-    found = []
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        found.append("xpu")
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        found.append("mps")
-    if include_cpu:
-        found.append("cpu")
-    return tuple(found)
+    from ..dispatch import present_devices
+    types = {name.split(":")[0] for name in present_devices()}
+    return tuple(t for t in ("xpu", "mps") if t in types) + (("cpu",) if include_cpu else ())
 
 
 def install_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[str, ...]]:
