@@ -15,8 +15,8 @@ from ...validation import BLOCK, Problem
 from . import masks
 from .grouping import Group, group_rows, needs_mask
 from .layout import BlockTable, RowTable, Workspace, zero_dead
-from .memory import (TAIL_ROWS, ChunkShape, fixed_bytes, layout_bytes, pairs_per_layout, residual_tokens,
-                     rows_per_chunk)
+from .memory import (TAIL_ROWS, ChunkShape, fixed_bytes, layout_bytes, packs_kv, pairs_per_layout,
+                     residual_tokens, rows_per_chunk, slice_bytes_per_row)
 
 #: working memory beyond inputs, output and the routing plan, bytes (``solattn.set_memory_budget``,
 #: ``solattn.memory_budget`` or ``SOLATTN_SDPA_BUDGET``; 1 GiB by default)
@@ -83,40 +83,85 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     for g in groups:
         shape = ChunkShape(q_rows=T - BLOCK * (n - 1) if g.ragged else BLOCK, key_blocks=g.count,
                            D=D, elt=elt, mask_elt=mask_elt if g.masked else 0, tail=tail,
-                           blocks=bool(run), row_mask=g.row_mask)
+                           blocks=bool(run), row_mask=g.row_mask, packed_kv=packs_kv(dev, dt))
         cuts = torch.searchsorted(g.rows, torch.tensor(edges, device=dev) * n).tolist()
-        plans.append((g, shape, rows_per_chunk(chunk_budget, shape, dev), cuts))
+        plans.append((g, shape, cuts))
+    # Index tables of a slice of rows (q and output row numbers, key block numbers, tail terms)
+    # are built for many chunks at once: per-chunk index arithmetic made the GPU wait on the
+    # host. They may take a sixteenth of the chunk budget.
+    slice_budget = chunk_budget // 16
+    chunk_budget -= slice_budget
     for e in range(len(edges) - 1):
         kv = None
         if run:
             kv = (BlockTable(p.k, edges[e], edges[e + 1], call.live, call.work, "kb"),
                   BlockTable(p.v, edges[e], edges[e + 1], call.live, call.work, "vb"))
-        for g, shape, step, cuts in plans:
-            for r0 in range(cuts[e], cuts[e + 1], step):
-                out = _attend_rows(call, g, g.rows[r0:min(r0 + step, cuts[e + 1])], shape, out, kv)
+        for g, shape, cuts in plans:
+            step = rows_per_chunk(chunk_budget, shape, dev)
+            span = max(step, slice_budget // slice_bytes_per_row(shape) // step * step)
+            for s0 in range(cuts[e], cuts[e + 1], span):
+                sl = _prepare(call, g, g.rows[s0:min(s0 + span, cuts[e + 1])], shape, kv)
+                for r0 in range(0, sl.N, step):
+                    out = _attend_rows(call, g, sl, r0, min(r0 + step, sl.N), shape, out, kv)
+                del sl
         del kv
     if plan.coarse is not None and p.coarse_gate is not None:
         out = _add_coarse(out, p.coarse_gate, plan.coarse, nbytes)
     return out
 
 
-def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
-                 out: torch.Tensor, kv=None) -> torch.Tensor:
-    """One SDPA call for query blocks ``rows`` of group ``g``; writes their output rows. ``kv``:
-    the key and value :class:`BlockTable` holding these rows' pairs, or None (gather rows)."""
-    p, work = call.p, call.work
-    H, n, D = p.H, p.n, p.D
-    count, Lq = g.count, s.q_rows
-    b, h, i = rows // (H * n), (rows // n) % H, rows % n
-    blocks = call.indices[rows, :count]                                      # (nr, count)
+@dataclass
+class _Slice:
+    """Per-row index tables of consecutive rows of one group (one run of pairs), sliced per chunk."""
 
-    q = call.q.gather(call.q.block_rows(b, h, i[:, None], Lq), work, "q")   # (nr, Lq, D)
-    if call.live is not None:                    # dead rows enter nothing, even holding NaN
-        q = zero_dead(q, ~call.live[i, :Lq])
+    N: int
+    rows: torch.Tensor                 # (N,) row numbers (b H + h) n + i
+    b: torch.Tensor
+    h: torch.Tensor
+    i: torch.Tensor
+    blocks: torch.Tensor               # (N, count) exact key blocks
+    q_rows: torch.Tensor               # (N, Lq) row numbers of the query rows in q
+    out_rows: torch.Tensor             # (N, Lq) the same in the output
+    q_dead: Optional[torch.Tensor]     # (N, Lq) bool dead query rows (block_len), or None
+    kv_idx: Optional[torch.Tensor]     # (N, count [+ 1]) block numbers in the run's BlockTables
+    tail: Optional[tuple] = None       # (m (N, D) fp32, tail value (N, D) v's dtype, tail_lse (N,),
+                                       #  block residual (N,) or None): see _append_tail
+
+
+def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv) -> _Slice:
+    H, n = call.p.H, call.p.n
+    Lq = s.q_rows
+    b, h, i = rows // (H * n), (rows // n) % H, rows % n
+    blocks = call.indices[rows, :g.count]
+    q_rows = call.q.block_rows(b, h, i[:, None], Lq)
+    out_rows = q_rows if call.out.row_strides == call.q.row_strides else call.out.block_rows(b, h, i[:, None], Lq)
+    q_dead = ~call.live[i, :Lq] if call.live is not None else None
+    kv_idx = kv[0].block_index(rows // n, blocks, TAIL_ROWS if s.tail else 0) if kv is not None else None
+    tail = None
+    if s.tail and g.masked:
+        plan = call.plan
+        tail = (plan.key_mean[b, h, 0], plan.tail_value[b, h, i].to(call.p.dtype), plan.tail_lse[b, h, i],
+                None if g.row_mask else call.tail_mean[rows])
+    return _Slice(N=rows.shape[0], rows=rows, b=b, h=h, i=i, blocks=blocks, q_rows=q_rows,
+                  out_rows=out_rows, q_dead=q_dead, kv_idx=kv_idx, tail=tail)
+
+
+def _attend_rows(call: _Call, g: Group, sl: _Slice, r0: int, r1: int, s: ChunkShape,
+                 out: torch.Tensor, kv=None) -> torch.Tensor:
+    """One SDPA call for rows ``[r0, r1)`` of slice ``sl`` of group ``g``; writes their output rows.
+    ``kv``: the key and value :class:`BlockTable` holding these rows' pairs, or None (gather rows)."""
+    p, work = call.p, call.work
+    D = p.D
+    count = g.count
+    b, h, blocks = sl.b[r0:r1], sl.h[r0:r1], sl.blocks[r0:r1]
+
+    q = call.q.gather(sl.q_rows[r0:r1], work, "q")                          # (nr, Lq, D)
+    if sl.q_dead is not None:                    # dead rows enter nothing, even holding NaN
+        q = zero_dead(q, sl.q_dead[r0:r1])
     if kv is not None:                           # whole blocks; dead rows already zero
         extra = TAIL_ROWS if s.tail else 0
-        k = kv[0].gather(rows // n, blocks, extra, work, "gk")               # (nr, L, D)
-        v = kv[1].gather(rows // n, blocks, extra, work, "gv")
+        k = kv[0].take(sl.kv_idx[r0:r1], count, extra, work, "gk")           # (nr, L, D)
+        v = kv[1].take(sl.kv_idx[r0:r1], count, extra, work, "gv")
     else:
         k_rows = call.k.block_rows(b, h, blocks)                             # (nr, count * 64)
         v_rows = (call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides
@@ -134,11 +179,12 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
 
     mask = dead = None
     if g.masked:
-        base = _key_bias_rows(call, b, blocks)                               # (nr, count * 64) fp32
         if s.tail:
-            k, v, mask, dead = _append_tail(call, q, k, v, base, b, h, i,
-                                            None if g.row_mask else call.tail_mean[rows])
+            base = None if call.slot_bias is None else _key_bias_rows(call, b, blocks)
+            k, v, mask, dead = _append_tail(call, q, k, v, base, *(None if t is None else t[r0:r1]
+                                                                    for t in sl.tail))
         else:
+            base = _key_bias_rows(call, b, blocks)                           # (nr, count * 64) fp32
             dead = torch.isneginf(base).all(dim=1)[:, None]                  # (nr, 1)
             mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
     o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask,
@@ -147,8 +193,7 @@ def _attend_rows(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape,
     # testing for a dead row first would stall the device queue once per SDPA call.
     if dead is not None and (o.device.type != "cpu" or bool(dead.any())):
         o = torch.where(dead[..., None], torch.zeros((), dtype=o.dtype, device=o.device), o)
-    out_rows = call.out.block_rows(b, h, i[:, None], Lq)
-    out.view(-1, D).index_copy_(0, out_rows.reshape(-1), o.reshape(-1, D))
+    out.view(-1, D).index_copy_(0, sl.out_rows[r0:r1].reshape(-1), o.reshape(-1, D))
     return out
 
 
@@ -163,7 +208,7 @@ def _key_bias_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor) -> torch.
     return table.index_select(0, rows.reshape(-1)).view(nr, count * BLOCK)
 
 
-def _append_tail(call: _Call, q, k, v, base, b, h, i, block_residual=None):
+def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], m, tail_value, lse, block_residual=None):
     """Fill the tail slots: the centroid as key and the tail's mean value in the first, masked
     padding after it. The exact keys are not centred, so the tail's logit carries the centroid:
     ``tail_lse_i + scale q_t . m``. The key ``m`` rounded to the input dtype gives the bulk of
@@ -171,20 +216,19 @@ def _append_tail(call: _Call, q, k, v, base, b, h, i, block_residual=None):
     ``r_t = scale q_t . (m - round(m))`` varies per query row ``t``. Where it barely varies within
     the block, ``block_residual`` (``(nr,)``, its mean over the block's live rows) stands for it
     and the mask has one row per block, broadcast over the query rows; otherwise (None) the mask
-    has one row per query row. Returns k, v, the mask in the device's dtype and the all-masked
-    query rows."""
-    p, plan = call.p, call.plan
+    has one row per query row. ``m``, ``tail_value``, ``lse``: these rows' centroid (fp32), tail
+    value (v's dtype) and tail_lse; ``base``: the exact keys' fp32 bias (None: no bias, no dead key).
+    Returns k, v, the mask in the device's dtype and the all-masked query rows (None: none can be)."""
+    p = call.p
     nr = q.shape[0]
-    E = base.shape[1]                                                        # exact key slots
+    E = k.shape[1] - TAIL_ROWS                                               # exact key slots
     if k.requires_grad or v.requires_grad:       # keep the gathered tensors out of in-place ops
         k, v = k.clone(), v.clone()
-    m = plan.key_mean[b, h, 0]                                               # (nr, D) fp32
     m_key = m.to(k.dtype)
     k[:, E:] = 0
     k[:, E] = m_key
     v[:, E:] = 0
-    v[:, E] = plan.tail_value[b, h, i].to(v.dtype)
-    lse = plan.tail_lse[b, h, i]                                             # (nr,)
+    v[:, E] = tail_value
     if block_residual is None:
         residual = (m - m_key.to(torch.float32))[:, :, None]
         tail_logit = lse[:, None] + p.scale * torch.bmm(q.to(torch.float32), residual)[..., 0]  # (nr, Lq)
@@ -193,14 +237,17 @@ def _append_tail(call: _Call, q, k, v, base, b, h, i, block_residual=None):
     mask_rows = tail_logit.shape[1]
     # Re-centre each query block by its rounded tail_lse (see masks.finish_mask): the exact part
     # stays one row per block, so building a per-row mask is a single broadcast copy.
-    exact = masks.finish_mask(base, call.mdt, row_shift=lse)                # (nr, E) mask dtype
     shift = masks.rounded_shift(lse, call.mdt)
     tail_entry = masks.finish_mask(tail_logit - shift[:, None], call.mdt)   # (nr, mask_rows)
     mask = call.work.empty("mask", (nr, mask_rows, E + TAIL_ROWS), call.mdt, q.device)
-    mask[:, :, :E] = exact[:, None, :]
+    if base is None:                             # no bias, no dead key: every exact entry is -shift
+        mask[:, :, :E] = (-shift).to(call.mdt)[:, None, None]
+        dead = None
+    else:
+        mask[:, :, :E] = masks.finish_mask(base, call.mdt, row_shift=lse)[:, None, :]
+        dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)  # (nr, mask_rows)
     mask[:, :, E] = tail_entry
     mask[:, :, E + 1:] = -math.inf
-    dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)     # (nr, mask_rows)
     return k, v, mask[:, None], dead
 
 

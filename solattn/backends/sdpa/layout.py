@@ -118,15 +118,19 @@ class BlockTable:
         self.flat = buf.view(-1, BLOCK * D)
         self.zero_block = pairs * n
 
-    def gather(self, pairs: torch.Tensor, blocks: torch.Tensor, extra_rows: int,
-               work: Workspace, name: str) -> torch.Tensor:
-        """``(N, count * 64 + extra_rows, D)``: key blocks ``blocks`` (``(N, count)``) of pairs ``pairs``
-        (``(N,)``), then ``extra_rows`` (at most 64) zero rows. With extra rows the result is a
-        view whose batch stride is ``(count + 1) 64 D``: one whole zero block is gathered."""
-        N, count = blocks.shape
+    def block_index(self, pairs: torch.Tensor, blocks: torch.Tensor, extra_rows: int) -> torch.Tensor:
+        """``(N, count [+ 1])`` numbers into this table of key blocks ``blocks`` (``(N, count)``) of
+        pairs ``pairs`` (``(N,)``), plus the zero block when ``extra_rows`` are asked for."""
         idx = (pairs - self.first)[:, None] * self.n + blocks
         if extra_rows:
-            idx = torch.cat([idx, idx.new_full((N, 1), self.zero_block)], dim=1)
+            idx = torch.cat([idx, idx.new_full((idx.shape[0], 1), self.zero_block)], dim=1)
+        return idx
+
+    def take(self, idx: torch.Tensor, count: int, extra_rows: int, work: Workspace, name: str) -> torch.Tensor:
+        """``(N, count * 64 + extra_rows, D)``: the blocks ``idx`` (from :meth:`block_index`); with
+        extra rows the result is a view whose batch stride is ``(count + 1) 64 D``: one whole zero
+        block is gathered and its first ``extra_rows`` rows are kept."""
+        N = idx.shape[0]
         flat = idx.reshape(-1)
         if work.enabled:
             buf = work.empty(name, (flat.numel(), BLOCK * self.D), self.flat.dtype, self.flat.device)

@@ -10,7 +10,7 @@ else needs a model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,6 +41,7 @@ class ChunkShape:
     tail: bool           # the tail column is on
     blocks: bool = False  # k, v gathered as whole blocks from layouts (the tail: one whole block)
     row_mask: bool = True  # with the tail: the mask holds one row per query row (else one per block)
+    packed_kv: bool = False  # SDPA may repack k and v into a copy of their own (see chunk_bytes)
 
     @property
     def keys(self) -> int:
@@ -59,6 +60,8 @@ def chunk_bytes(rows: int, s: ChunkShape) -> int:
     and its fp32 accumulators; the scores a math-fallback kernel materialises; with a mask, the
     fp32 mask and its copy in the mask dtype (one row per query block, or one per query row
     where the tail's per-row residual matters, plus the tail's fp32 query copy and row logits).
+    ``packed_kv``: PyTorch's CPU flash kernel repacks bf16/fp16 keys and values for the matrix
+    units (AMX) when the CPU has them, a whole copy of the gathered k and v per call.
     """
     Lq, keys, D = s.q_rows, s.keys, s.D
     index_rows = Lq + (2 * (s.key_blocks + 1) if s.blocks else 2 * keys)
@@ -67,6 +70,8 @@ def chunk_bytes(rows: int, s: ChunkShape) -> int:
            + 2 * index_rows * _INDEX          # row numbers and their temporaries
            + Lq * D * 4                       # fp32 accumulators inside SDPA
            + Lq * keys * 4)                      # scores of a math-fallback kernel
+    if s.packed_kv:
+        per += 2 * s.gathered_keys * D * s.elt
     if s.mask_elt:
         per_row = s.tail and s.row_mask
         mask_rows = Lq if per_row else 1
@@ -74,6 +79,15 @@ def chunk_bytes(rows: int, s: ChunkShape) -> int:
         if per_row:
             per += Lq * D * 4 + Lq * 4 * 2                # fp32 queries for q . m, tail logits
     return rows * per
+
+
+def slice_bytes_per_row(s: ChunkShape) -> int:
+    """Bytes per query block of the index tables the forward builds for many chunks at once:
+    q and output row numbers (plus the temporaries of computing them), key block numbers twice
+    (the selection and the layout's numbering), (b, h, i, row), the dead-row flags and, with the
+    tail, the rows' centroid, tail value, tail_lse and residual."""
+    tail = s.D * (4 + s.elt) + 2 * 4 if s.tail else 0
+    return 3 * s.q_rows * _INDEX + 2 * (s.key_blocks + 1) * _INDEX + 4 * _INDEX + s.q_rows + tail
 
 
 def fixed_bytes(B: int, T: int, H: int, n: int, bias_rows: int, masked: bool, tail: bool = False) -> int:
@@ -113,7 +127,19 @@ def pairs_per_layout(budget: int, pairs: int, n: int, D: int, elt: int) -> int:
     return min(pairs, max(1, (half - 2 * BLOCK * D * elt) // (2 * n * BLOCK * D * elt)))
 
 
+def packs_kv(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether SDPA on ``device`` may keep a repacked copy of reduced-precision keys and values
+    (the CPU flash kernel does on CPUs with AMX; counting it everywhere on the CPU keeps the
+    model an upper bound whatever the CPU)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 def rows_per_chunk(budget: int, s: ChunkShape, device: torch.device) -> int:
-    """Query blocks per SDPA call: as many as fit in ``budget`` (capped on the CPU), at least one."""
-    budget = min(budget, CHUNK_CAP.get(device.type, budget))
-    return max(1, budget // chunk_bytes(1, s))
+    """Query blocks per SDPA call: as many as fit in ``budget``, at least one. On the CPU the
+    chunk is also capped (:data:`CHUNK_CAP`, a speed limit: the cap counts what the backend
+    itself gathers, not SDPA's repacked copy, which the budget does count)."""
+    rows = budget // chunk_bytes(1, s)
+    cap = CHUNK_CAP.get(device.type)
+    if cap is not None:
+        rows = min(rows, cap // chunk_bytes(1, replace(s, packed_kv=False)))
+    return max(1, rows)
