@@ -127,6 +127,8 @@ def performed_pairs(name, plan, pp, problem):
         pairs, singles = M.split_work(pp, problem.n, max_overhead)
         done = 2 * int(pp.union_num.flatten()[pairs.long()].long().sum())
         return done + int(plan.kv_num_blocks.flatten()[singles.long()].long().sum())
+    if name.startswith("pair3d"):                  # both halves run max(|E_2p|, |E_2p+1|) steps
+        return 2 * int(torch.maximum(pp.n_even, pp.n_odd).long().sum())
     return kept
 
 

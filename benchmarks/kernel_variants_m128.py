@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from solattn.backends.triton import kernel as K  # noqa: E402
-from solattn.backends.triton.backend import KernelConfig, _interpreting, _tma_ok  # noqa: E402
+from solattn.backends.triton.backend import KernelConfig, _interpreting, _tma_ok, launch  # noqa: E402
 from solattn.backends.triton.kernel import (  # noqa: E402
     gpu_jit, block_logits, query_block, softmax_update, start_state, write_rows)
 from solattn.routing.plan import indices_from_mask  # noqa: E402
@@ -287,6 +287,81 @@ def m64_list_fwd(
                sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
 
 
+@gpu_jit
+def pair3d_fwd(
+    Q, K, V, Out, Gate,
+    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
+    sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd, sgb, sgt, sgh, sgd,
+    s_bias_b, T, H, n_blocks, max_blocks, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
+):
+    """Two query blocks per program, each walking ITS OWN list, as one batched (2, 64, ...) problem:
+    step s takes key block E_2p[s] for the first half and E_2p+1[s] for the second, and both
+    matmuls are one 3-D ``tl.dot``. Nothing is wasted on lists that differ (random selections);
+    a half whose list is shorter masks its extra steps to -inf. Whether Triton's 3-D dot keeps up
+    with the 2-D wgmma path is the question this variant asks."""
+    pair = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    q2, tok_q, row_ok, half, plan_row, blk_ok, m2, l2, acc2 = pair_start(
+        Q, BlockLen, KeyMean, TailLse, TailValue, pair, bh, b, h, sqb, sqt, sqh, sqd, T, n_blocks,
+        qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
+    q = q2.reshape(2, BLOCK, HEAD_DIM)
+    m_i = m2.reshape(2, BLOCK)
+    l_i = l2.reshape(2, BLOCK)
+    acc = acc2.reshape(2, BLOCK, HEAD_DIM)
+    halves = tl.arange(0, 2)
+    row0 = bh.to(tl.int64) * n_blocks + 2 * pair
+    blk = 2 * pair + halves
+    has = blk < n_blocks
+    counts = tl.load(KvNum + row0 + halves, mask=has, other=0)           # (2,)
+    steps = tl.max(counts, 0)
+    rows = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    bias_row = KeyBias + b * s_bias_b
+    if not KV_TMA:
+        k_base = K + b * skb + h * skh
+        v_base = V + b * svb + h * svh
+    for step in range(0, steps):
+        valid = step < counts                                             # (2,): this half still has blocks
+        kv = tl.load(KvIdx + (row0 + halves) * max_blocks + step, mask=valid, other=0)
+        tok_k = (kv[:, None] * BLOCK + rows[None, :]).to(tl.int64)         # (2, BLOCK)
+        if KV_TMA:
+            live = (tok_k < T) & valid[:, None]
+            ka = K.load([bh // H, tl.sum(tl.where(halves == 0, kv, 0)) * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+            kb = K.load([bh // H, tl.sum(tl.where(halves == 1, kv, 0)) * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+            k = tl.permute(tl.join(ka, kb), (2, 0, 1))                    # (2, BLOCK, D)
+        else:
+            live = (rows[None, :] < tl.load(BlockLen + kv[:, None])) & valid[:, None]
+            k = tl.load(k_base + tok_k[:, :, None] * skt + dims[None, None, :] * skd,
+                        mask=live[:, :, None], other=0.0)
+        s = tl.dot(q, tl.permute(k, (0, 2, 1))) * qk_scale                 # (2, BLOCK, BLOCK)
+        if HAS_BIAS:
+            bias = tl.load(bias_row + tok_k, mask=live, other=0.0)
+            bias = tl.where(bias == float("-inf"), bias, tl.minimum(tl.maximum(bias, -1e30), 1e30))
+            s = s + bias[:, None, :] * 1.4426950408889634
+        s = tl.where(live[:, None, :], s, float("-inf"))
+        # softmax_update, one axis further in
+        m_new = tl.maximum(m_i, tl.max(s, 2))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(s - m_ref[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, 2)
+        m_i = m_new
+        if KV_TMA:
+            va = V.load([bh // H, tl.sum(tl.where(halves == 0, kv, 0)) * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+            vb = V.load([bh // H, tl.sum(tl.where(halves == 1, kv, 0)) * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+            v = tl.permute(tl.join(va, vb), (2, 0, 1))
+        else:
+            v = tl.load(v_base + tok_k[:, :, None] * svt + dims[None, None, :] * svd,
+                        mask=live[:, :, None], other=0.0)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
+    pair_write(Out, Gate, Coarse, acc.reshape(2 * BLOCK, HEAD_DIM), l_i.reshape(2 * BLOCK), tok_q, row_ok,
+               b, h, plan_row, blk_ok, T, H, sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
+
+
 # ----------------------------------------------------------------------------- launchers
 
 def _common(problem, plan, cfg: KernelConfig, out):
@@ -364,6 +439,18 @@ def launch_m64_list(problem, plan, work: torch.Tensor, cfg: KernelConfig, out=No
     return c["out"]
 
 
+def launch_pair3d(problem, plan, cfg: KernelConfig, out=None):
+    """The batched two-list kernel, one program per pair of query blocks."""
+    c = _common(problem, plan, cfg, out)
+    kv_num = plan.kv_num_blocks.to(torch.int32).contiguous()
+    kv_idx = plan.kv_indices.to(torch.int32).contiguous()
+    K.compiled(c["interpret"], pair3d_fwd)[((problem.n + 1) // 2, problem.B * problem.H)](
+        *c["head"], kv_num, kv_idx, *c["plan_tensors"],
+        *c["strides"], problem.T, problem.H, problem.n, kv_idx.shape[-1], problem.scale * K.LOG2E,
+        **c["flags"], **c["launch"])
+    return c["out"]
+
+
 def grid_order_work(plan) -> torch.Tensor:
     """Every (b*h, query block) as ``bh * n + i``, in the production grid's order."""
     return torch.arange(plan.kv_num_blocks.numel(), device=plan.kv_num_blocks.device, dtype=torch.int32)
@@ -410,6 +497,18 @@ def _list(cfg, order):
     return prepare
 
 
+def _pair3d(cfg):
+    def prepare(problem, plan):
+        return lambda out=None: launch_pair3d(problem, plan, cfg, out=out)
+    return prepare
+
+
+def _production(cfg):
+    def prepare(problem, plan):
+        return lambda out=None: launch(problem, plan, config=cfg, out=out)
+    return prepare
+
+
 def variants(tma: bool = True) -> Dict[str, Variant]:
     """The experiments, by name (TMA loads on or off for all of them)."""
     c8s2, c8s3 = KernelConfig(1, 8, 2, tma=tma), KernelConfig(1, 8, 3, tma=tma)
@@ -423,5 +522,10 @@ def variants(tma: bool = True) -> Dict[str, Variant]:
                 "128-row union tile for pairs with union <= 1.25 x useful work, 64-row for the rest"),
         Variant("m64 list", _list(c4s3, grid_order_work), "production loop fed from a work list, grid order (cost of the indirection)"),
         Variant("m64 lpt", _list(c4s3, lpt_work), "production loop, longest list first (tail imbalance)"),
+        Variant("pair3d w8/s2", _pair3d(c8s2), "two query blocks, each its own list, as one batched 3-D dot; 2 stages"),
+        Variant("pair3d w8/s3", _pair3d(c8s3), "same, 3 stages"),
+        Variant("production w4/s2", _production(KernelConfig(1, 4, 2, tma=tma)),
+                "the production kernel at 2 stages (not recorded with TMA loads)"),
+        Variant("production w8/s3", _production(c8s3), "the production kernel at 8 warps (recorded only with pointer loads)"),
     ]
     return {v.name: v for v in vs}
