@@ -142,6 +142,24 @@ def test_tail_and_coarse_gate_rows(tmp_path):
     assert not (tmp_path / "bench.png").exists()
 
 
+def test_tau_mode_rows_and_peers_not_run_say_why(tmp_path, capsys):
+    rc = bench.main(["--device", "cpu", "--shapes", "1,256,2,32", "--ratios", "0", "0.2", "--tau", "0.5",
+                     "--tail", "--backends", "sdpa", "comfy-kitchen", "--repeats", "1", "--no-plot",
+                     "--out", str(tmp_path)])
+    assert rc == 0
+    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    tau_rows = [r for r in rows if float(r["ratio"]) == 0]
+    assert len(tau_rows) == 2 and all(float(r["tau"]) == 0.5 for r in tau_rows)
+    assert all(r["tau"] == "" for r in rows if float(r["ratio"]) > 0)
+    # tau 0.5 keeps a different fraction of blocks than top-k 0.2, and both match the reference
+    assert {r["kept_fraction"] for r in tau_rows}.isdisjoint({r["kept_fraction"] for r in rows if r not in tau_rows})
+    assert all(float(r["rel_l2"]) < 2e-2 for r in rows)
+    md = open(tmp_path / "bench.md").read()
+    assert "| tau 0.5 |" in md and "| top-k 0.2 |" in md
+    out = capsys.readouterr().out
+    assert "not run: comfy-kitchen: its fused kernel runs on CUDA only" in out
+
+
 def test_plot_skipped_without_matplotlib(monkeypatch, tmp_path):
     import sys
     monkeypatch.setitem(sys.modules, "matplotlib", None)                  # import fails

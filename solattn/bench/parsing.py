@@ -12,6 +12,7 @@ import torch
 
 from .. import dispatch
 from .models import Shape
+from .peers import PEERS
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
@@ -25,6 +26,8 @@ PRESETS: Dict[str, List[Shape]] = {
     "seed": [(2, 4056, 16, 128)],
     "sweep": [(1, t, 24, 128) for t in (4096, 8192, 16384, 32768)],
     "quick": [(1, 256, 2, 64), (1, 512, 2, 64)],
+    # the shapes of the comparison with dense SDPA and comfy-kitchen's kernel (README)
+    "peers": [(1, 37296, 56, 128), (1, 16384, 24, 128), (2, 4056, 16, 128)],
 }
 PRESETS["gpu"] = PRESETS["seed"] + PRESETS["sweep"] + PRESETS["h3"]
 
@@ -134,13 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", nargs="+", action="extend", metavar="B,T,H,D|PRESET",
                    help="problems: B,T,H,D tuples and/or presets (default: 'cpu' on a CPU, 'gpu' elsewhere)")
     p.add_argument("--ratios", nargs="+", type=float, metavar="R",
-                   help="top-k ratios, 0 < R < 1 (default 0.1 0.2)")
+                   help="top-k ratios, 0 < R < 1, or 0 for tau mode (default 0.1 0.2)")
+    p.add_argument("--tau", type=float, default=1.0,
+                   help="routing threshold of the tau-mode rows (--ratios 0), in sigmas (default 1)")
     p.add_argument("--tail", action=argparse.BooleanOptionalAction, default=False,
                    help="--tail adds rows with the pooled tail on (rows with it off are always run)")
     p.add_argument("--coarse-gate", action="store_true", help="pass a random coarse_gate (VSA coarse branch)")
     p.add_argument("--backends", nargs="+", metavar="NAME",
-                   help=f"restrict to these: '{DENSE}' and/or registered backend names "
-                        "(the reference is never timed; it is the error basis)")
+                   help=f"restrict to these: '{DENSE}', registered backend names and/or "
+                        f"{', '.join(PEERS)} (other implementations, timed when importable; the "
+                        "reference is never timed, it is the error basis)")
     p.add_argument("--repeats", type=int, help="timed calls per row, median reported "
                                                 "(default 3 on a CPU, 20 elsewhere, 2 with --quick)")
     p.add_argument("--warmup", type=int, help="untimed calls first, >= 1; the last measures memory "
@@ -168,6 +174,8 @@ class Config:
     out: str
     seed: int
     plot: bool
+    tau: float = 1.0              # routing threshold of the tau-mode rows (ratio 0)
+    peers: List[str] = field(default_factory=list)  # other implementations to time when present
     #: "backend: why" -> the problems it was not run on
     skipped: Dict[str, List[str]] = field(default_factory=dict)
 
@@ -190,21 +198,26 @@ def resolve(args: argparse.Namespace) -> Config:
         shapes = PRESETS["quick" if args.quick else ("cpu" if on_cpu else "gpu")]
     ratios = args.ratios or [0.1, 0.2]
     for r in ratios:
-        if not 0.0 < r < 1.0:
-            raise UsageError(f"--ratios received {r:g}; allowed: 0 < r < 1")
+        if not 0.0 <= r < 1.0:
+            raise UsageError(f"--ratios received {r:g}; allowed: 0 (tau mode) or 0 < r < 1")
+    if not (args.tau >= 0 and args.tau == args.tau and args.tau != float("inf")):
+        raise UsageError(f"--tau received {args.tau:g}; allowed: a finite number >= 0")
     registered = [n for n in dispatch.registered() if n != "reference"]
     # the device's priority order first, then the rest
     order = [n for n in dispatch.priority(device.type) if n in registered]
     order += [n for n in registered if n not in order]
     with_dense = True
+    peers = list(PEERS)
     if args.backends:
         wanted = [b.lower() for b in args.backends]
-        unknown = [b for b in wanted if b != DENSE and b not in registered]
+        unknown = [b for b in wanted if b != DENSE and b not in registered and b not in PEERS]
         if unknown:
-            raise UsageError(f"--backends received {', '.join(unknown)}; allowed: {DENSE}, " + ", ".join(registered)
+            raise UsageError(f"--backends received {', '.join(unknown)}; allowed: {DENSE}, "
+                             + ", ".join(registered + list(PEERS))
                              + " (the reference is the error basis, never timed)")
         with_dense = DENSE in wanted
         order = [n for n in order if n in wanted]
+        peers = [n for n in peers if n in wanted]
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else (3 if on_cpu else 20))
     warmup = args.warmup if args.warmup is not None else (1 if on_cpu or args.quick else 3)
     for option, value in (("--repeats", repeats), ("--warmup", warmup)):
@@ -215,4 +228,4 @@ def resolve(args: argparse.Namespace) -> Config:
     return Config(device=device, dtype=dtype, shapes=shapes, ratios=ratios,
                   tails=[False, True] if args.tail else [False], coarse=args.coarse_gate,
                   backends=order, with_dense=with_dense, repeats=repeats, warmup=warmup, out=out,
-                  seed=args.seed, plot=not args.no_plot)
+                  seed=args.seed, plot=not args.no_plot, tau=args.tau, peers=peers)

@@ -13,7 +13,7 @@ import torch
 from .models import model_text
 from .parsing import DENSE, DTYPE_NAMES, Config
 
-COLUMNS = ["backend", "device", "dtype", "B", "T", "H", "D", "ratio", "tail", "coarse_gate",
+COLUMNS = ["backend", "device", "dtype", "B", "T", "H", "D", "ratio", "tau", "tail", "coarse_gate",
            "time_ms", "plan_ms", "speedup", "peak_mib", "peak_basis", "rel_l2", "err_basis",
            "kept_fraction", "gflop", "gb_moved", "gflops", "gbps", "repeats"]
 
@@ -38,7 +38,7 @@ def _fmt(col: str, value) -> str:
     return str(value)
 
 
-TABLE = [("backend", "backend"), ("shape BxTxHxD", None), ("ratio", "ratio"), ("tail", "tail"),
+TABLE = [("backend", "backend"), ("shape BxTxHxD", None), ("routing", "ratio"), ("tail", "tail"),
          ("time ms", "time_ms"), ("plan ms", "plan_ms"), ("vs dense", "speedup"),
          ("peak MiB", "peak_mib"), ("rel. L2", "rel_l2"), ("error basis", "err_basis"),
          ("kept", "kept_fraction"), ("GFLOP", "gflop"), ("GB moved", "gb_moved"),
@@ -59,6 +59,8 @@ def table_cells(row: dict, tera: bool = False) -> List[str]:
     for _, key in TABLE:
         if key is None:
             cells.append(f"{row['B']}x{row['T']}x{row['H']}x{row['D']}")
+        elif key == "ratio":
+            cells.append(f"top-k {_fmt(key, row[key])}" if row[key] else f"tau {row.get('tau', 1.0):g}")
         elif key == "peak_mib" and row["peak_mib"] is not None:
             cells.append(("≥" if row["peak_basis"] == "rss>=" else "") + _fmt(key, row[key]))
         elif key == "gflops" and tera and row[key] is not None:
@@ -70,9 +72,13 @@ def table_cells(row: dict, tera: bool = False) -> List[str]:
 
 #: what each table column means, printed under the terminal table and in bench.md
 LEGEND = [
+    ("backend", "dense = F.scaled_dot_product_attention without sparsity; a solattn backend name; "
+                "comfy-kitchen = comfy_kitchen.sol_attn on its fused CUDA kernel (when importable)"),
+    ("routing", "top-k R: the fraction R of key blocks kept by score; tau X: the threshold rule at X sigmas"),
     ("time ms", "median time per call over the timed rounds; a sparse row is the whole sol_attn call, "
                 "routing plan included"),
-    ("plan ms", "the routing plan alone (build_plan), part of time ms"),
+    ("plan ms", "the routing plan alone (build_plan), part of time ms (n/a for comfy-kitchen, which "
+                "routes inside its own call)"),
     ("vs dense", "speed-up: dense time / this row's time, median over rounds (each round runs dense, "
                  "then every backend, once)"),
     ("peak MiB", "extra memory one call needed beyond what was held before it, output included; "
@@ -197,8 +203,9 @@ def write_plot(rows: List[dict], path: str, cfg: Config) -> str:
     groups = sorted({(r["B"], r["H"], r["D"]) for r in rows})
     lines: Dict[str, Dict[int, float]] = {}
     for r in rows:
+        mode = f"r={r['ratio']:g}" if r["ratio"] else f"tau={r.get('tau', 1.0):g}"
         label = "dense SDPA" if r["backend"] == DENSE else \
-            f"{r['backend']} r={r['ratio']:g}" + (" tail" if r["tail"] else "")
+            f"{r['backend']} {mode}" + (" tail" if r["tail"] else "")
         if len(groups) > 1:
             label += f" (B={r['B']},H={r['H']},D={r['D']})"
         lines.setdefault(label, {})[r["T"]] = r["time_ms"]

@@ -16,6 +16,7 @@ from ..validation import validate
 from .memory import measure_peak
 from .models import Shape, bytes_moved, flop_count
 from .parsing import DENSE, DTYPE_NAMES, Config
+from .peers import peer_calls
 from .timing import log, synchronize, time_calls
 
 
@@ -66,24 +67,30 @@ def run(cfg: Config) -> List[dict]:
             o, dense_peak, dense_peak_basis = _prepare(dense_fn, cfg)
             dense_out = o.transpose(1, 2)
 
+        peers, missing = peer_calls(dev, dt, D) if cfg.peers else ({}, [])
+        for why in missing:
+            if why.split(":")[0] in cfg.peers:
+                cfg.skip(why, _shape_str(shape))
+        tau = cfg.tau
         for tail in cfg.tails:
             for ratio in cfg.ratios:
-                tag = f"{_shape_str(shape)} {dname} r={ratio:g} tail={'on' if tail else 'off'}" \
+                mode = f"r={ratio:g}" if ratio else f"tau={tau:g}"
+                tag = f"{_shape_str(shape)} {dname} {mode} tail={'on' if tail else 'off'}" \
                       + (" coarse" if cfg.coarse else "")
-                problem = validate(q, k, v, topk_ratio=ratio, tail=tail, coarse_gate=gate)
+                problem = validate(q, k, v, tau=tau, topk_ratio=ratio, tail=tail, coarse_gate=gate)
 
                 # the error basis first: the reference where it fits, else sdpa on fp32 copies
                 ref_reasons = dispatch.get_backend("reference").not_supported_reasons(problem)
                 if not ref_reasons:
                     log(f"reference (error basis) {tag}")
-                    basis = sol_attn(q, k, v, topk_ratio=ratio, tail=tail, coarse_gate=gate,
+                    basis = sol_attn(q, k, v, tau=tau, topk_ratio=ratio, tail=tail, coarse_gate=gate,
                                      backend="reference")
                     basis_name = "reference"
                 else:
                     log(f"sdpa on fp32 copies (error basis; reference: {ref_reasons[0]}) {tag}")
                     q32, k32, v32 = (x.float() for x in (q, k, v))
                     g32 = gate.float() if gate is not None else None
-                    basis = sol_attn(q32, k32, v32, topk_ratio=ratio, tail=tail, coarse_gate=g32,
+                    basis = sol_attn(q32, k32, v32, tau=tau, topk_ratio=ratio, tail=tail, coarse_gate=g32,
                                      backend="sdpa")
                     basis_name = "sdpa-fp32"
                     del q32, k32, v32, g32
@@ -100,18 +107,22 @@ def run(cfg: Config) -> List[dict]:
                 contenders: Dict[str, tuple] = {}
                 if dense_fn is not None:
                     contenders[DENSE] = (dense_fn, None, dense_peak, dense_peak_basis)
+                calls = {name: (lambda name=name: sol_attn(q, k, v, tau=tau, topk_ratio=ratio, tail=tail,
+                                                           coarse_gate=gate, backend=name))
+                         for name in cfg.backends}
                 for name in cfg.backends:
                     reasons = dispatch.get_backend(name).not_supported_reasons(problem)
                     if reasons:
                         log(f"{name} skipped at {tag}: {'; '.join(reasons)}")
                         cfg.skip(f"{name}: {'; '.join(reasons)}", tag)
-                        continue
-                    fn = lambda name=name: sol_attn(q, k, v, topk_ratio=ratio, tail=tail,  # noqa: E731
-                                                    coarse_gate=gate, backend=name)
+                        del calls[name]
+                for name, peer in peers.items():
+                    calls[name] = lambda peer=peer: peer(q, k, v, tau, ratio, tail, gate)
+                for name, fn in calls.items():
                     log(f"{name} {tag}: {cfg.warmup} warm-up (memory on the last)")
                     try:
                         out, peak, peak_basis = _prepare(fn, cfg)
-                    except Exception as exc:  # one failing backend must not lose the others' rows
+                    except Exception as exc:  # one failing contender must not lose the others' rows
                         log(f"{name} failed at {tag}: {type(exc).__name__}: {exc}")
                         cfg.skip(f"{name} failed: {type(exc).__name__}: {exc}", tag)
                         continue
@@ -125,7 +136,8 @@ def run(cfg: Config) -> List[dict]:
                     log(f"{tag} round {rnd + 1}/{cfg.repeats}: " + ", ".join(
                         f"{name} {times[name][-1]:.1f} ms" for name in contenders))
 
-                base = dict(device=dev.type, dtype=dname, B=B, T=T, H=H, D=D, ratio=ratio, tail=tail,
+                base = dict(device=dev.type, dtype=dname, B=B, T=T, H=H, D=D, ratio=ratio,
+                            tau=None if ratio else tau, tail=tail,
                             coarse_gate=cfg.coarse, repeats=cfg.repeats)
                 for name, (fn, err, peak, peak_basis) in contenders.items():
                     ms = statistics.median(times[name])
@@ -142,7 +154,8 @@ def run(cfg: Config) -> List[dict]:
                         continue
                     fl = flop_count(shape, kept_pairs)
                     by = bytes_moved(shape, elt, kept_pairs, "sdpa" if name == "sdpa" else "fused")
-                    rows.append(dict(base, backend=name, time_ms=ms, plan_ms=plan_ms, speedup=speedup,
+                    rows.append(dict(base, backend=name, time_ms=ms, speedup=speedup,
+                                     plan_ms=None if name in peers else plan_ms,
                                      peak_mib=peak, peak_basis=peak_basis, rel_l2=err, err_basis=basis_name,
                                      kept_fraction=kept, gflop=fl / 1e9, gb_moved=by / 1e9,
                                      gflops=fl / ms / 1e6, gbps=by / ms / 1e6))
