@@ -40,7 +40,11 @@ from .plan import Plan
 from .select import topk_count
 
 #: rows of the (rows, n) score tile the top-k bisection keeps in registers at a time, times n
-_SELECT_TILE_ELEMS = 16384
+_SELECT_TILE_ELEMS = 8192
+
+#: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums): "ieee" is exact fp32
+#: FMA; "tf32x3" (three tensor-core passes, about fp32 accuracy) is the faster alternative to measure
+DOT_PRECISION = "ieee"
 
 #: largest n (key blocks) the fused plan takes; beyond it the torch plan chunks the work
 MAX_FUSED_BLOCKS = 16384
@@ -143,6 +147,7 @@ def fused_plan(problem: Problem) -> Plan:
         kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
+        DOT=DOT_PRECISION,
         num_warps=8 if D >= 128 else 4)
 
     def bh(x: torch.Tensor) -> torch.Tensor:

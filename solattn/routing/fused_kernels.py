@@ -88,7 +88,8 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   SEL: tl.constexpr,          # 0: tau, 1: top-k, 2: forced blocks only
                   HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
-                  NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr):
+                  NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
+                  DOT: tl.constexpr):            # tl.dot input_precision of every fp32 product
     g = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_I
     ii = i0 + tl.arange(0, BLOCK_I)
@@ -108,7 +109,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             ok = jj < n
             kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
             kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
-            r = tl.dot(q, tl.trans(kmc), input_precision="ieee") * c
+            r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
             tl.store(Scratch + (gn + ii)[:, None] * n + jj[None, :], r,
                      mask=row_ok[:, None] & ok[None, :])
         tl.debug_barrier()
@@ -119,13 +120,13 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             rok = rr < n
             r = tl.load(Scratch + (gn + rr)[:, None] * n + allc[None, :],
                         mask=rok[:, None] & cand_ok[None, :], other=0.0)
-            key = order_key(r).to(tl.int64)
+            key = order_key(r)
             lo = tl.full([RB], -2147483648, tl.int64)
             hi = tl.full([RB], 2147483648, tl.int64)
             # invariant: count(key >= lo) >= kk > count(key >= hi); 32 halvings leave lo = the key
             for _ in range(32):
                 mid = (lo + hi) >> 1
-                cnt = tl.sum(((key >= mid[:, None]) & cand_ok[None, :]).to(tl.int32), 1)
+                cnt = tl.sum(((key >= mid.to(tl.int32)[:, None]) & cand_ok[None, :]).to(tl.int32), 1)
                 ge = cnt >= kk
                 lo = tl.where(ge, mid, lo)
                 hi = tl.where(ge, hi, mid)
@@ -154,7 +155,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
         else:
             kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
             kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
-            r = tl.dot(q, tl.trans(kmc), input_precision="ieee") * c
+            r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
             if SEL == 0:
                 sel = r > thr[:, None]
             else:
@@ -179,7 +180,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             alpha = tl.math.exp2(t_max - ref)
             p = tl.math.exp2(z - ref[:, None])
             t_sum = t_sum * alpha + tl.sum(p, 1)
-            t_acc = t_acc * alpha[:, None] + tl.dot(p, vm, input_precision="ieee")
+            t_acc = t_acc * alpha[:, None] + tl.dot(p, vm, input_precision=DOT)
             t_max = new
         if HAS_COARSE:
             # softmax over every block; centred scores differ from scale qm.km by a per-row constant
@@ -188,7 +189,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             alpha = tl.math.exp2(c_max - new)
             p = tl.math.exp2(z - new[:, None])
             c_sum = c_sum * alpha + tl.sum(p, 1)
-            c_acc = c_acc * alpha[:, None] + tl.dot(p, vm, input_precision="ieee")
+            c_acc = c_acc * alpha[:, None] + tl.dot(p, vm, input_precision=DOT)
             c_max = new
     tl.store(KvNum + gn + ii, count, mask=row_ok)
     tl.store(Touch + gn + ii, touches.to(tl.int8), mask=row_ok)
