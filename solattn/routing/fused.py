@@ -93,6 +93,13 @@ def fused_plan(problem: Problem) -> Plan:
     selection, tail and coarse terms as :func:`solattn.routing.build_plan`'s torch path, except
     that ``kv_indices`` is ``n`` wide. No host synchronisation; no autograd graph (callers check
     :func:`fused_plan_usable`)."""
+    if problem.device.type == "cuda":
+        with torch.cuda.device(problem.device):     # Triton launches on the current device
+            return _fused_plan(problem)
+    return _fused_plan(problem)
+
+
+def _fused_plan(problem: Problem) -> Plan:
     from ..backends.triton.kernel import compiled  # imports Triton
     from . import fused_kernels as fk
 
