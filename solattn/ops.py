@@ -36,7 +36,7 @@ def _as_list(rng) -> Optional[List[int]]:
 def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
     """Dispatch and run a validated problem (no custom op, autograd as the backend allows)."""
     chosen = dispatch.choose(problem, backend)
-    plan = build_plan(problem) if chosen.uses_plan else None
+    plan = build_plan(problem, fused=getattr(chosen, "fused_plan", False)) if chosen.uses_plan else None
     return chosen.forward(problem, plan)
 
 

@@ -35,6 +35,9 @@ class Backend:
     features: ClassVar[FrozenSet[str]] = ALL_FEATURES
     #: consumes a routing plan (``solattn.routing.Plan``); the reference does not
     uses_plan: ClassVar[bool] = True
+    #: takes a plan whose ``kv_indices`` may be wider than the largest count (0-padded), so the
+    #: GPU routing plan can be built without a host synchronisation (``build_plan(fused=True)``)
+    fused_plan: ClassVar[bool] = False
     #: on CUDA devices, the oldest compute capability the backend runs on, e.g. ``(8, 0)``
     min_compute_capability: ClassVar[Optional[Tuple[int, int]]] = None
 

@@ -23,8 +23,18 @@ from .stats import BlockStats, block_means, block_stats, live_lengths, live_toke
 from .vsa import PREFIX_MODES, build_vsa_plan, select_vsa, vsa_selector, vsa_topk_from_sparsity
 
 
-def build_plan(problem: Problem, topk_method: Optional[str] = None) -> Plan:
-    """The routing plan of a ``sol_attn`` call (SPEC.md, "The routing plan")."""
+def build_plan(problem: Problem, topk_method: Optional[str] = None, fused: bool = False) -> Plan:
+    """The routing plan of a ``sol_attn`` call (SPEC.md, "The routing plan").
+
+    ``fused=True`` lets a caller whose backend takes a ``kv_indices`` wider than the largest
+    count (padded with 0; the ``triton`` backend) get the plan from three Triton kernels without
+    a host synchronisation, where :func:`.fused.fused_plan_usable` allows it (CUDA, no autograd
+    graph); everywhere else, and by default, the torch path below builds it.
+    """
+    if fused:
+        from .fused import fused_plan, fused_plan_usable
+        if fused_plan_usable(problem):
+            return fused_plan(problem)
     stats = block_stats(problem)
     rule = sol_attn_selector(problem, stats, topk_method)
     return assemble_plan(problem, stats, rule, tail=problem.tail, coarse=problem.coarse_gate is not None)

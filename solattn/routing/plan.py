@@ -44,7 +44,8 @@ class Plan:
 
     - ``kv_num_blocks``: ``(B, H, n)`` int32, number of exact key blocks per query block.
     - ``kv_indices``: ``(B, H, n, M)`` int32, the exact key blocks in ascending order in the first
-      ``kv_num_blocks`` entries, then 0 (padding). ``M`` is the largest count. This is the form
+      ``kv_num_blocks`` entries, then 0 (padding). ``M`` is the largest count (n in the fused GPU
+      plan that ``build_plan(..., fused=True)`` gives the ``triton`` backend). This is the form
       FlexAttention's ``BlockMask.from_kv_blocks`` and block-index kernels consume.
     - ``block_len``: ``(n,)`` int32 live rows per block (``L_j``).
     - ``key_mean``: ``(B, H, 1, D)`` fp32 centroid ``m`` of the key block means; exact keys are ``k - m``.

@@ -212,6 +212,7 @@ class TritonBackend(Backend):
     head_dims = frozenset({16, 32, 64, 128})
     features = ALL_FEATURES - {"autograd"}
     uses_plan = True
+    fused_plan = True  # reads kv_num_blocks entries per row; the row stride is kv_indices' width
     min_compute_capability = (8, 0)
 
     def device_reasons(self, device: torch.device) -> List[str]:

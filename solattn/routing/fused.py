@@ -1,0 +1,165 @@
+"""The routing plan of ``sol_attn`` in three Triton kernels (GPU inference path).
+
+The torch plan (:func:`.plan.assemble_plan`) is a few dozen small operations plus one host
+synchronisation (the width of ``kv_indices``); on a GPU at small T it is launch-bound and
+costs more than the attention kernel. Here the same plan takes three launches and no sync:
+
+1. :func:`_means_kernel`, one program per (block, batch * head): fp32 means of q, k, v over
+   the live rows of the block, and the live lengths ``L_j``.
+2. :func:`_centroid_kernel`, one program per batch * head: the key centroid ``m`` and, in tau
+   mode, the population variance of the centred key means over blocks.
+3. :func:`_select_kernel`, one program per (tile of query-block rows, batch * head): routing
+   scores against every key block, the threshold (tau) or the k-th largest score (top-k,
+   found by bisection over order-preserving int32 keys, ties kept like ``cand >= theta``), the
+   forced blocks, ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded), ``touches_dead``,
+   and the tail and coarse terms by an online softmax over key-block chunks.
+
+``kv_indices`` is ``(B, H, n, n)``: its width is fixed at n rather than the largest count, so
+no count has to reach the host before it is allocated (ties at a top-k threshold can select
+more than k blocks, so no smaller width is safe). Only consumers that read ``kv_num_blocks``
+entries of each row and take the width from the tensor (the ``triton`` backend) ask for this
+plan; see :func:`fused_plan_usable` for when it applies.
+
+The kernels are ``JITFunction``\\ s launched through the ``triton`` backend's
+``compiled(interpret, kernel)``, so the same source runs under ``TRITON_INTERPRET=1`` on the CPU
+(tests). Triton is imported only when a fused plan is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+
+import torch
+
+from ..budget import current_budget
+from ..validation import BLOCK, Problem
+from .plan import Plan
+from .select import topk_count
+
+#: rows of the (rows, n) score tile the top-k bisection keeps in registers at a time, times n
+_SELECT_TILE_ELEMS = 8192
+
+#: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums): "ieee" is exact fp32
+#: FMA; "tf32x3" (three tensor-core passes, about fp32 accuracy) is the faster alternative to measure
+DOT_PRECISION = "ieee"
+
+#: largest n (key blocks) the fused plan takes; beyond it the torch plan chunks the work
+MAX_FUSED_BLOCKS = 16384
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def fused_plan_bytes(problem: Problem) -> int:
+    """Device bytes the fused plan allocates beyond its fp32 means: ``kv_indices`` at width n
+    and, in top-k mode, an fp32 score scratch of the same size."""
+    G, n = problem.B * problem.H, problem.n
+    per = 8 if problem.topk_ratio > 0 else 4
+    return G * n * n * per
+
+
+def fused_plan_usable(problem: Problem) -> bool:
+    """Whether :func:`fused_plan` can build ``problem``'s plan: a CUDA device (or the CPU under
+    ``TRITON_INTERPRET=1``, for tests), Triton importable, no autograd graph to record (the
+    tail and coarse terms are differentiable on the torch path only), a power-of-two head dim
+    in 16..256, at most :data:`MAX_FUSED_BLOCKS` blocks, and the width-n ``kv_indices`` (plus
+    the top-k scratch) within the ``sdpa`` memory budget."""
+    dev = problem.device.type
+    if not (dev == "cuda" or (dev == "cpu" and _interpreting())):
+        return False
+    if problem.requires_grad or not _triton_importable():
+        return False
+    D = problem.D
+    if D < 16 or D > 256 or D & (D - 1):
+        return False
+    return problem.n <= MAX_FUSED_BLOCKS and fused_plan_bytes(problem) <= current_budget("sdpa")
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def fused_plan(problem: Problem) -> Plan:
+    """``problem``'s :class:`Plan` from the three kernels (see the module docstring); the same
+    selection, tail and coarse terms as :func:`solattn.routing.build_plan`'s torch path, except
+    that ``kv_indices`` is ``n`` wide. No host synchronisation; no autograd graph (callers check
+    :func:`fused_plan_usable`)."""
+    if problem.device.type == "cuda":
+        with torch.cuda.device(problem.device):     # Triton launches on the current device
+            return _fused_plan(problem)
+    return _fused_plan(problem)
+
+
+def _fused_plan(problem: Problem) -> Plan:
+    from ..backends.triton.kernel import compiled  # imports Triton
+    from . import fused_kernels as fk
+
+    q, k, v = problem.q, problem.k, problem.v
+    B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
+    G, dev, f32, i32 = B * H, q.device, torch.float32, torch.int32
+    interpret = _interpreting() or dev.type == "cpu"
+    if interpret and q.dtype == torch.bfloat16:
+        # the interpreter keeps bf16 as raw bit patterns; exact fp32 copies give the same sums
+        q, k, v = (t.to(f32) for t in (q, k, v))
+
+    means = torch.empty(3, G, n, D, dtype=f32, device=dev)
+    qm, km, vm = means[0], means[1], means[2]
+    L = torch.empty(n, dtype=i32, device=dev)
+    has_len = problem.block_len is not None
+    compiled(interpret, fk.means_kernel)[(n, G)](
+        q, k, v, problem.block_len if has_len else L, qm, km, vm, L,
+        *q.stride(), *k.stride(), *v.stride(), T, H, n,
+        HAS_BLOCK_LEN=has_len, HEAD_DIM=D, BLOCK=BLOCK, num_warps=4)
+
+    tau_mode = problem.topk_ratio == 0.0
+    m = torch.empty(G, D, dtype=f32, device=dev)
+    var = torch.empty(G, D, dtype=f32, device=dev) if tau_mode else m
+    compiled(interpret, fk.centroid_kernel)[(G,)](
+        km, m, var, n, NEED_VAR=tau_mode, HEAD_DIM=D, BJ=max(16, min(64, 8192 // D)), num_warps=4)
+
+    s0, s1 = problem.sink_blocks or (0, 0)
+    q0, q1 = problem.sink_q or (0, 0)
+    kk = 0
+    if tau_mode:
+        sel = 0
+    else:
+        kk = topk_count(problem.topk_ratio, n - (s1 - s0))
+        sel = 1 if kk > 0 else 2
+    # 32-row tiles halve the reads of the key and value means; 16 when that leaves few programs
+    block_i = 16 if D > 128 or interpret or G * -(-n // 32) < 264 else 32
+    bj = 64 if D <= 64 else 32
+    NP = _pow2(n)
+    rb = max(1, min(block_i, _SELECT_TILE_ELEMS // NP))
+    kv_num = torch.empty(G, n, dtype=i32, device=dev)
+    kv_idx = torch.empty(G, n, n, dtype=i32, device=dev)
+    touch = torch.empty(G, n, dtype=torch.int8, device=dev)
+    scratch = torch.empty(G, n, n, dtype=f32, device=dev) if sel == 1 else m
+    theta = torch.empty(G, n, dtype=i32, device=dev) if sel == 1 else kv_num
+    tail, coarse = problem.tail, problem.coarse_gate is not None
+    tail_lse = torch.empty(G, n, dtype=f32, device=dev) if tail else m
+    tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if tail else m
+    coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
+    c = problem.scale * math.log2(math.e)
+    compiled(interpret, fk.select_kernel)[(-(-n // block_i), G)](
+        qm, km, vm, m, var, L, scratch, theta,
+        kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
+        n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
+        SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
+        DOT=DOT_PRECISION,
+        num_warps=8 if D >= 128 else 4)
+
+    def bh(x: torch.Tensor) -> torch.Tensor:
+        return x.view(B, H, *x.shape[1:])
+
+    return Plan(kv_num_blocks=bh(kv_num), kv_indices=bh(kv_idx), block_len=L, key_mean=m.view(B, H, 1, D),
+                tail_lse=bh(tail_lse) if tail else None, tail_value=bh(tail_value) if tail else None,
+                coarse=bh(coarse_out) if coarse else None, touches_dead=bh(touch.view(torch.bool)))

@@ -1,0 +1,208 @@
+"""Triton kernels of the fused routing plan (see :mod:`solattn.routing.fused`); importing this
+module imports Triton.
+
+Every kernel is a compiled ``JITFunction`` whatever ``TRITON_INTERPRET`` said at import; the
+``triton`` backend's ``compiled(interpret, kernel)`` runs it on the GPU or in the interpreter.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+def gpu_jit(fn):
+    # not triton.jit: that returns an interpreted function when TRITON_INTERPRET=1 happens to be
+    # set at import time, and the process would then never compile for the GPU
+    return JITFunction(fn)
+
+
+@gpu_jit
+def means_kernel(Q, K, V, BlockLen, Qm, Km, Vm, Lout,
+                 sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd,
+                 T, H, n,
+                 HAS_BLOCK_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(0)
+    g = tl.program_id(1)
+    b = (g // H).to(tl.int64)
+    h = (g % H).to(tl.int64)
+    rows = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    # live rows of block j (live_lengths): block_len clamped to [1, 64], never past T
+    L = tl.minimum(T - j * BLOCK, BLOCK)
+    if HAS_BLOCK_LEN:
+        L = tl.minimum(L, tl.minimum(tl.maximum(tl.load(BlockLen + j), 1), BLOCK))
+    tok = (j * BLOCK + rows).to(tl.int64)
+    live = (rows < L)[:, None]
+    # dead rows are masked out of the load: they add 0 even when they hold NaN
+    x = tl.load(Q + b * sqb + h * sqh + tok[:, None] * sqt + dims[None, :] * sqd, mask=live, other=0.0)
+    qs = tl.sum(x.to(tl.float32), 0)
+    x = tl.load(K + b * skb + h * skh + tok[:, None] * skt + dims[None, :] * skd, mask=live, other=0.0)
+    ks = tl.sum(x.to(tl.float32), 0)
+    x = tl.load(V + b * svb + h * svh + tok[:, None] * svt + dims[None, :] * svd, mask=live, other=0.0)
+    vs = tl.sum(x.to(tl.float32), 0)
+    Lf = L.to(tl.float32)
+    out = (g.to(tl.int64) * n + j) * HEAD_DIM + dims
+    tl.store(Qm + out, qs / Lf)
+    tl.store(Km + out, ks / Lf)
+    tl.store(Vm + out, vs / Lf)
+    if g == 0:
+        tl.store(Lout + j, L)
+
+
+@gpu_jit
+def centroid_kernel(Km, Mout, Var, n,
+                    NEED_VAR: tl.constexpr, HEAD_DIM: tl.constexpr, BJ: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BJ)
+    base = Km + g * n * HEAD_DIM
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for j0 in range(0, n, BJ):
+        ok = (j0 + cols) < n
+        x = tl.load(base + (j0 + cols)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(x, 0)
+    m = acc / n
+    tl.store(Mout + g * HEAD_DIM + dims, m)
+    if NEED_VAR:
+        acc2 = tl.zeros([HEAD_DIM], tl.float32)
+        for j0 in range(0, n, BJ):
+            ok = (j0 + cols) < n
+            x = tl.load(base + (j0 + cols)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+            d = tl.where(ok[:, None], x - m[None, :], 0.0)
+            acc2 += tl.sum(d * d, 0)
+        tl.store(Var + g * HEAD_DIM + dims, acc2 / n)
+
+
+@gpu_jit
+def order_key(r):
+    # fp32 -> int32 whose signed order is the float order (+0.0 and -0.0 made equal first)
+    bits = (r + 0.0).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@gpu_jit
+def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
+                  KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
+                  n, c, cc, tau, kk, s0, s1, q0, q1,
+                  SEL: tl.constexpr,          # 0: tau, 1: top-k, 2: forced blocks only
+                  HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
+                  NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
+                  DOT: tl.constexpr):            # tl.dot input_precision of every fp32 product
+    g = tl.program_id(1).to(tl.int64)
+    i0 = tl.program_id(0) * BLOCK_I
+    ii = i0 + tl.arange(0, BLOCK_I)
+    row_ok = ii < n
+    dims = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BJ)
+    gn = g * n
+    q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
+    m = tl.load(Mean + g * HEAD_DIM + dims)
+    if SEL == 0:
+        var = tl.load(Var + g * HEAD_DIM + dims)
+        thr = tau * tl.sqrt(cc * tl.sum(q * q * var[None, :], 1) + 1e-6)
+    if SEL == 1:
+        # scores once into the scratch, then the kk-th largest per row (bisection over keys)
+        for j0 in range(0, n, BJ):
+            jj = j0 + cols
+            ok = jj < n
+            kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+            kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
+            r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
+            tl.store(Scratch + (gn + ii)[:, None] * n + jj[None, :], r,
+                     mask=row_ok[:, None] & ok[None, :])
+        tl.debug_barrier()
+        allc = tl.arange(0, NP)
+        cand_ok = (allc < n) & ((allc < s0) | (allc >= s1))
+        for r0 in range(0, BLOCK_I, RB):
+            rr = i0 + r0 + tl.arange(0, RB)
+            rok = rr < n
+            r = tl.load(Scratch + (gn + rr)[:, None] * n + allc[None, :],
+                        mask=rok[:, None] & cand_ok[None, :], other=0.0)
+            key = order_key(r)
+            lo = tl.full([RB], -2147483648, tl.int64)
+            hi = tl.full([RB], 2147483648, tl.int64)
+            # invariant: count(key >= lo) >= kk > count(key >= hi); 32 halvings leave lo = the key
+            for _ in range(32):
+                mid = (lo + hi) >> 1
+                cnt = tl.sum(((key >= mid.to(tl.int32)[:, None]) & cand_ok[None, :]).to(tl.int32), 1)
+                ge = cnt >= kk
+                lo = tl.where(ge, mid, lo)
+                hi = tl.where(ge, hi, mid)
+            tl.store(Theta + gn + rr, lo.to(tl.int32), mask=rok)
+        tl.debug_barrier()
+        theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)
+    sink_row = (ii >= q0) & (ii < q1)
+    count = tl.zeros([BLOCK_I], tl.int32)
+    touches = tl.zeros([BLOCK_I], tl.int32)
+    if HAS_TAIL:
+        t_max = tl.full([BLOCK_I], float("-inf"), tl.float32)
+        t_sum = tl.zeros([BLOCK_I], tl.float32)
+        t_acc = tl.zeros([BLOCK_I, HEAD_DIM], tl.float32)
+    if HAS_COARSE:
+        c_max = tl.full([BLOCK_I], float("-inf"), tl.float32)
+        c_sum = tl.zeros([BLOCK_I], tl.float32)
+        c_acc = tl.zeros([BLOCK_I, HEAD_DIM], tl.float32)
+    for j0 in range(0, n, BJ):
+        jj = j0 + cols
+        ok = jj < n
+        both = row_ok[:, None] & ok[None, :]
+        if SEL == 1:
+            r = tl.load(Scratch + (gn + ii)[:, None] * n + jj[None, :], mask=both, other=0.0)
+            is_sink = (jj >= s0) & (jj < s1)
+            sel = (order_key(r) >= theta[:, None]) & ~is_sink[None, :]
+        else:
+            kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+            kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
+            r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
+            if SEL == 0:
+                sel = r > thr[:, None]
+            else:
+                sel = tl.zeros([BLOCK_I, BJ], tl.int1)
+        near = (jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1)
+        forced = near | ((jj >= s0) & (jj < s1))[None, :] | sink_row[:, None]
+        sel = (sel | forced) & both
+        L = tl.load(Lens + jj, mask=ok, other=BLOCK)
+        touches = tl.maximum(touches, tl.max((sel & (L < BLOCK)[None, :]).to(tl.int32), 1))
+        seli = sel.to(tl.int32)
+        pos = count[:, None] + tl.cumsum(seli, 1) - 1
+        tl.store(KvIdx + (gn + ii)[:, None] * n + pos, jj[None, :] + tl.zeros([BLOCK_I, BJ], tl.int32),
+                 mask=sel)
+        count += tl.sum(seli, 1)
+        if HAS_TAIL or HAS_COARSE:
+            vm = tl.load(Vm + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        if HAS_TAIL:
+            # base-2 logits of the pooled tail: scale qm.kmc / ln 2 + log2 L_j
+            z = tl.where(sel | ~ok[None, :], float("-inf"), r + tl.log2(L.to(tl.float32))[None, :])
+            new = tl.maximum(t_max, tl.max(z, 1))
+            ref = tl.where(new == float("-inf"), 0.0, new)
+            alpha = tl.math.exp2(t_max - ref)
+            p = tl.math.exp2(z - ref[:, None])
+            t_sum = t_sum * alpha + tl.sum(p, 1)
+            t_acc = t_acc * alpha[:, None] + tl.dot(p, vm, input_precision=DOT)
+            t_max = new
+        if HAS_COARSE:
+            # softmax over every block; centred scores differ from scale qm.km by a per-row constant
+            z = tl.where(ok[None, :], r, float("-inf"))
+            new = tl.maximum(c_max, tl.max(z, 1))
+            alpha = tl.math.exp2(c_max - new)
+            p = tl.math.exp2(z - new[:, None])
+            c_sum = c_sum * alpha + tl.sum(p, 1)
+            c_acc = c_acc * alpha[:, None] + tl.dot(p, vm, input_precision=DOT)
+            c_max = new
+    tl.store(KvNum + gn + ii, count, mask=row_ok)
+    tl.store(Touch + gn + ii, touches.to(tl.int8), mask=row_ok)
+    for w0 in range(0, n, BJ):            # padding after the count
+        ww = w0 + cols
+        pad = row_ok[:, None] & (ww[None, :] < n) & (ww[None, :] >= count[:, None])
+        tl.store(KvIdx + (gn + ii)[:, None] * n + ww[None, :], tl.zeros([BLOCK_I, BJ], tl.int32), mask=pad)
+    out = (gn + ii)[:, None] * HEAD_DIM + dims[None, :]
+    if HAS_TAIL:
+        live = t_sum > 0.0
+        lse = tl.where(live, (t_max + tl.log2(tl.where(live, t_sum, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        tl.store(TailLse + gn + ii, lse, mask=row_ok)
+        tl.store(TailValue + out, t_acc / tl.where(live, t_sum, 1.0)[:, None], mask=row_ok[:, None])
+    if HAS_COARSE:
+        tl.store(Coarse + out, c_acc / c_sum[:, None], mask=row_ok[:, None])

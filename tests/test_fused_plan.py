@@ -1,0 +1,155 @@
+"""The fused routing plan (three Triton kernels, run here by Triton's CPU interpreter) against
+the torch plan, its oracle.
+
+Inputs are solattn.testing.make_qkv (well separated blocks), whose routing scores sit far from
+every threshold, so both plans must select exactly the same blocks; ``_assert_clear`` checks that
+before comparing. The pooled terms (tail, coarse, centroid) are fp32 sums taken in another order:
+they are compared with fp32 tolerances. Shapes are tiny (T <= 600, H <= 2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    pytest.skip(f"interpreter tests need triton >= 3.9 (found {triton.__version__})", allow_module_level=True)
+
+import solattn  # noqa: E402
+from solattn.backends.triton import TritonBackend  # noqa: E402
+from solattn.routing import block_stats, build_plan, fused, sink_mask, topk_count  # noqa: E402
+from solattn.testing import make_qkv  # noqa: E402
+from solattn.validation import validate  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+def _assert_clear(problem, margin=1e-4):
+    """No routing score within ``margin`` of its threshold (rounding cannot flip a block)."""
+    stats = block_stats(problem)
+    c = problem.scale * math.log2(math.e)
+    kmc = stats.km - stats.m
+    R = c * (stats.qm @ kmc.transpose(-1, -2))
+    if problem.topk_ratio == 0.0:
+        var = kmc.pow(2).mean(dim=2)
+        thr = problem.tau * torch.sqrt(c * c * (stats.qm.pow(2) * var[:, :, None, :]).sum(-1) + 1e-6)
+        gap = (R - thr[..., None]).abs().min().item()
+    else:
+        sinks = sink_mask(problem.sink_blocks, problem.n, R.device)
+        kk = topk_count(problem.topk_ratio, problem.n - int(sinks.sum()))
+        s = R[..., ~sinks].sort(dim=-1, descending=True).values
+        gap = (s[..., kk - 1] - s[..., kk]).min().item() if 0 < kk < s.shape[-1] else 1.0
+    assert gap > margin, f"test input has an ambiguous selection (gap {gap:.2e}); pick another seed"
+
+
+def _compare(problem, clear=True):
+    """Fused plan == torch plan: identical selection, pooled terms within fp32 rounding."""
+    if clear:
+        _assert_clear(problem)
+    assert fused.fused_plan_usable(problem)
+    want = build_plan(problem)
+    got = fused.fused_plan(problem)
+    B, H, n = problem.B, problem.H, problem.n
+    assert got.kv_indices.shape == (B, H, n, n) and got.kv_indices.dtype == torch.int32
+    assert torch.equal(got.kv_num_blocks, want.kv_num_blocks)
+    M = want.kv_indices.shape[-1]
+    assert torch.equal(got.kv_indices[..., :M], want.kv_indices)
+    assert (got.kv_indices[..., M:] == 0).all(), "padding past the count must be 0"
+    assert torch.equal(got.touches_dead, want.touches_dead)
+    assert torch.equal(got.block_len, want.block_len)
+    assert torch.equal(got.dense_mask(), want.dense_mask())
+    tol = dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got.key_mean, want.key_mean, **tol)
+    for name in ("tail_lse", "tail_value", "coarse"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if b is not None:
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+    return got, want
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+@pytest.mark.parametrize("mode", ["topk", "tau"])
+def test_modes_tail_coarse(mode, coarse):
+    q, k, v = make_qkv(2, 600, 2, 64, dtype=torch.bfloat16, seed=1)
+    gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(2)).to(q.dtype) if coarse else None
+    kw = dict(topk_ratio=0.3) if mode == "topk" else dict(tau=0.5)
+    _compare(validate(q, k, v, tail=True, coarse_gate=gate, **kw))
+
+
+@pytest.mark.parametrize("mode", ["topk", "tau"])
+def test_sinks_and_sink_q_without_tail(mode):
+    q, k, v = make_qkv(1, 600, 2, 32, dtype=torch.float16, seed=3)
+    kw = dict(topk_ratio=0.2) if mode == "topk" else dict(tau=1.0)
+    got, _ = _compare(validate(q, k, v, tail=False, sink_blocks=(0, 2), sink_q=(4, 6), **kw))
+    assert (got.kv_num_blocks[:, :, 4:6] == got.n).all()
+
+
+@pytest.mark.parametrize("T", [1, 100, 130, 333])
+def test_ragged_T_and_tiny_n(T):
+    # n = 1 (no top-k pick: forced block only), n = 2 (kk = 1), ragged last blocks
+    q, k, v = make_qkv(1, T, 1, 64, dtype=torch.float32, seed=10 + T)
+    _compare(validate(q, k, v, topk_ratio=0.4, tail=True))
+
+
+def test_block_len_dead_rows_hold_nan():
+    q, k, v = make_qkv(2, 520, 2, 64, dtype=torch.bfloat16, seed=5)
+    n = 9
+    L = torch.tensor([64, 10, 64, 1, 64, 33, 64, 64, 8], dtype=torch.int32)
+    for j in range(n):
+        for t in (q, k, v):
+            t[:, j * 64 + int(L[j]):(j + 1) * 64] = float("nan")
+    for kw in (dict(topk_ratio=0.3), dict(tau=0.5)):
+        got, _ = _compare(validate(q, k, v, tail=True, block_len=L, **kw))
+        assert got.touches_dead.any()
+        assert torch.isfinite(got.tail_value).all()
+
+
+def test_topk_ties_select_more_than_k():
+    # identical key blocks: every centred key mean is 0, every score 0, so every block ties at
+    # the k-th score and is kept (cand >= theta); counts exceed k, which the n-wide indices hold
+    q, k, v = make_qkv(1, 512, 2, 32, dtype=torch.float32, seed=7)
+    k = k[:, :64].repeat(1, 8, 1, 1)
+    got, _ = _compare(validate(q, k, v, topk_ratio=0.25, tail=True), clear=False)
+    assert (got.kv_num_blocks == 8).all()
+
+
+def test_sol_attn_triton_uses_fused_plan_and_matches_torch_plan(monkeypatch):
+    q, k, v = make_qkv(2, 400, 2, 64, dtype=torch.bfloat16, seed=9)
+    gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(4)).to(q.dtype)
+    calls = []
+    real = fused.fused_plan
+
+    def spy(problem):
+        calls.append(problem)
+        return real(problem)
+
+    monkeypatch.setattr(fused, "fused_plan", spy)
+    for kw in (dict(topk_ratio=0.3, sink_blocks=(0, 1)), dict(tau=0.5, coarse_gate=gate)):
+        problem = validate(q, k, v, tail=True, **kw)
+        _assert_clear(problem)
+        got = solattn.sol_attn(q, k, v, tail=True, backend="triton", **kw)
+        want = TritonBackend().forward(problem, build_plan(problem))
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2 ** -7)
+        assert (got != want).float().mean() < 0.01
+    assert len(calls) == 2
+
+
+def test_not_used_with_autograd_or_off_the_interpreter(monkeypatch):
+    q, k, v = make_qkv(1, 200, 1, 64, dtype=torch.float32, seed=11)
+    qg = q.clone().requires_grad_(True)
+    assert fused.fused_plan_usable(validate(q, k, v, topk_ratio=0.3))
+    assert not fused.fused_plan_usable(validate(qg, k, v, topk_ratio=0.3))
+    q48 = torch.randn(1, 200, 1, 48)
+    assert not fused.fused_plan_usable(validate(q48, q48, q48, topk_ratio=0.3))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    problem = validate(q, k, v, topk_ratio=0.3)
+    assert not fused.fused_plan_usable(problem)
+    assert build_plan(problem, fused=True).kv_indices.shape[-1] == int(build_plan(problem).kv_num_blocks.max())
