@@ -124,8 +124,7 @@ class _Slice:
     out_rows: torch.Tensor             # (N, Lq) the same in the output
     q_dead: Optional[torch.Tensor]     # (N, Lq) bool dead query rows (block_len), or None
     kv_idx: Optional[torch.Tensor]     # (N, count [+ 1]) block numbers in the run's BlockTables
-    tail: Optional[tuple] = None       # (m (N, D) fp32, tail value (N, D) v's dtype, tail_lse (N,),
-                                       #  block residual (N,) or None): see _append_tail
+    tail: Optional["_TailRows"] = None
 
 
 def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv) -> _Slice:
@@ -139,9 +138,7 @@ def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv) -> _S
     kv_idx = kv[0].block_index(rows // n, blocks, TAIL_ROWS if s.tail else 0) if kv is not None else None
     tail = None
     if s.tail and g.masked:
-        plan = call.plan
-        tail = (plan.key_mean[b, h, 0], plan.tail_value[b, h, i].to(call.p.dtype), plan.tail_lse[b, h, i],
-                None if g.row_mask else call.tail_mean[rows])
+        tail = _tail_rows(call, b, h, i, None if g.row_mask else call.tail_mean[rows])
     return _Slice(N=rows.shape[0], rows=rows, b=b, h=h, i=i, blocks=blocks, q_rows=q_rows,
                   out_rows=out_rows, q_dead=q_dead, kv_idx=kv_idx, tail=tail)
 
@@ -181,8 +178,7 @@ def _attend_rows(call: _Call, g: Group, sl: _Slice, r0: int, r1: int, s: ChunkSh
     if g.masked:
         if s.tail:
             base = None if call.slot_bias is None else _key_bias_rows(call, b, blocks)
-            k, v, mask, dead = _append_tail(call, q, k, v, base, *(None if t is None else t[r0:r1]
-                                                                    for t in sl.tail))
+            k, v, mask, dead = _append_tail(call, q, k, v, base, sl.tail[r0:r1], zeroed=kv is not None)
         else:
             base = _key_bias_rows(call, b, blocks)                           # (nr, count * 64) fp32
             dead = torch.isneginf(base).all(dim=1)[:, None]                  # (nr, 1)
@@ -208,43 +204,71 @@ def _key_bias_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor) -> torch.
     return table.index_select(0, rows.reshape(-1)).view(nr, count * BLOCK)
 
 
-def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], m, tail_value, lse, block_residual=None):
-    """Fill the tail slots: the centroid as key and the tail's mean value in the first, masked
-    padding after it. The exact keys are not centred, so the tail's logit carries the centroid:
-    ``tail_lse_i + scale q_t . m``. The key ``m`` rounded to the input dtype gives the bulk of
-    ``scale q_t . m`` (exact products, fp32 sums in the kernel); the rounding residual
-    ``r_t = scale q_t . (m - round(m))`` varies per query row ``t``. Where it barely varies within
-    the block, ``block_residual`` (``(nr,)``, its mean over the block's live rows) stands for it
-    and the mask has one row per block, broadcast over the query rows; otherwise (None) the mask
-    has one row per query row. ``m``, ``tail_value``, ``lse``: these rows' centroid (fp32), tail
-    value (v's dtype) and tail_lse; ``base``: the exact keys' fp32 bias (None: no bias, no dead key).
-    Returns k, v, the mask in the device's dtype and the all-masked query rows (None: none can be)."""
-    p = call.p
+@dataclass
+class _TailRows:
+    """What the tail slots of some query blocks hold (see :func:`_append_tail`), sliced per chunk."""
+
+    m: torch.Tensor                    # (N, D) fp32 key centroid
+    m_key: torch.Tensor                # (N, D) the centroid rounded to the input dtype: the tail's key
+    value: torch.Tensor                # (N, D) tail value in v's dtype
+    lse: torch.Tensor                  # (N,) fp32 tail_lse
+    exact_entry: torch.Tensor          # (N,) mask dtype: every unbiased exact key's entry
+    entry: Optional[torch.Tensor]      # (N,) mask dtype: the tail's entry, when one per block
+
+    def __getitem__(self, sl: slice) -> "_TailRows":
+        return _TailRows(*(None if t is None else t[sl] for t in
+                           (self.m, self.m_key, self.value, self.lse, self.exact_entry, self.entry)))
+
+
+def _tail_rows(call: _Call, b, h, i, block_residual: Optional[torch.Tensor]) -> _TailRows:
+    """The tail slots of query blocks ``(b, h, i)``. The exact keys are not centred, so the tail's
+    logit carries the centroid: ``tail_lse_i + scale q_t . m``. The key ``m`` rounded to the input
+    dtype gives the bulk of ``scale q_t . m`` (exact products, fp32 sums in the kernel); the
+    rounding residual ``r_t = scale q_t . (m - round(m))`` varies per query row ``t``. Where it
+    barely varies within the block, ``block_residual`` (``(N,)``, its mean over the block's live
+    rows) stands for it and the tail's entry is one per block; otherwise (None) :func:`_append_tail`
+    computes one per query row. Each query block's mask is re-centred by its rounded tail_lse (see
+    masks.finish_mask), so an unbiased exact key's entry is ``-round(tail_lse)``."""
+    plan, mdt = call.plan, call.mdt
+    m = plan.key_mean[b, h, 0]
+    lse = plan.tail_lse[b, h, i]
+    shift = masks.rounded_shift(lse, mdt)
+    entry = None
+    if block_residual is not None:
+        entry = masks.finish_mask((lse + block_residual - shift)[:, None], mdt)[:, 0]
+    return _TailRows(m=m, m_key=m.to(call.p.dtype), value=plan.tail_value[b, h, i].to(call.p.dtype), lse=lse,
+                     exact_entry=(-shift).to(mdt), entry=entry)
+
+
+def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRows, zeroed: bool):
+    """Fill the tail slots of a chunk: the centroid as key and the tail's mean value in the first,
+    masked padding after it (see :func:`_tail_rows`). ``base``: the exact keys' fp32 bias (None:
+    no bias, no dead key); ``zeroed``: the tail slots of k and v already hold zeros. Returns k, v,
+    the mask in the device's dtype and the all-masked query rows (None: none can be)."""
+    p, mdt = call.p, call.mdt
     nr = q.shape[0]
     E = k.shape[1] - TAIL_ROWS                                               # exact key slots
     if k.requires_grad or v.requires_grad:       # keep the gathered tensors out of in-place ops
         k, v = k.clone(), v.clone()
-    m_key = m.to(k.dtype)
-    k[:, E:] = 0
-    k[:, E] = m_key
-    v[:, E:] = 0
-    v[:, E] = tail_value
-    if block_residual is None:
-        residual = (m - m_key.to(torch.float32))[:, :, None]
-        tail_logit = lse[:, None] + p.scale * torch.bmm(q.to(torch.float32), residual)[..., 0]  # (nr, Lq)
+    if not zeroed:
+        k[:, E:] = 0
+        v[:, E:] = 0
+    k[:, E] = t.m_key
+    v[:, E] = t.value
+    if t.entry is None:                          # one tail entry per query row
+        residual = (t.m - t.m_key.to(torch.float32))[:, :, None]
+        tail_logit = t.lse[:, None] + p.scale * torch.bmm(q.to(torch.float32), residual)[..., 0]  # (nr, Lq)
+        tail_entry = masks.finish_mask(tail_logit - masks.rounded_shift(t.lse, mdt)[:, None], mdt)
     else:
-        tail_logit = (lse + block_residual)[:, None]                         # (nr, 1)
-    mask_rows = tail_logit.shape[1]
-    # Re-centre each query block by its rounded tail_lse (see masks.finish_mask): the exact part
-    # stays one row per block, so building a per-row mask is a single broadcast copy.
-    shift = masks.rounded_shift(lse, call.mdt)
-    tail_entry = masks.finish_mask(tail_logit - shift[:, None], call.mdt)   # (nr, mask_rows)
-    mask = call.work.empty("mask", (nr, mask_rows, E + TAIL_ROWS), call.mdt, q.device)
-    if base is None:                             # no bias, no dead key: every exact entry is -shift
-        mask[:, :, :E] = (-shift).to(call.mdt)[:, None, None]
-        dead = None
+        tail_logit = t.lse[:, None]              # -inf exactly where the block's entry is
+        tail_entry = t.entry[:, None]
+    mask_rows = tail_entry.shape[1]
+    mask = call.work.empty("mask", (nr, mask_rows, E + TAIL_ROWS), mdt, q.device)
+    dead = None
+    if base is None:                             # every exact entry is -round(tail_lse)
+        mask[:, :, :E] = t.exact_entry[:, None, None]
     else:
-        mask[:, :, :E] = masks.finish_mask(base, call.mdt, row_shift=lse)[:, None, :]
+        mask[:, :, :E] = masks.finish_mask(base, mdt, row_shift=t.lse)[:, None, :]
         dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)  # (nr, mask_rows)
     mask[:, :, E] = tail_entry
     mask[:, :, E + 1:] = -math.inf
