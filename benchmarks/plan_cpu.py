@@ -137,7 +137,7 @@ def main() -> None:
         print(json.dumps(worker(args.src, args.threads, args.reps_s, args.save, args.ops)))
         return
 
-    impls = [tuple(s.split("=", 1)) for s in (args.impl or ["current=."])]
+    impls = [(a, os.path.abspath(b)) for a, b in (s.split("=", 1) for s in (args.impl or ["current=."]))]
     tmp = tempfile.mkdtemp(prefix="plan_cpu_")
     load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
     results = {}                                       # (impl, load, threads) -> worker output
