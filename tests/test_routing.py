@@ -154,3 +154,93 @@ def test_plan_working_memory_stays_within_the_budget():
     assert info["finite"] and info["M"] < 40, info
     # the budget, plus the plan's own outputs and block means (~14 MiB) and allocator slack
     assert info["working"] < budget + (32 << 20), info
+
+
+def test_serial_cpu_runs_one_thread_and_restores_the_count():
+    from solattn.routing.stats import serial_cpu
+    import threading
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with serial_cpu():
+            assert torch.get_num_threads() == 1
+            with serial_cpu():                                   # re-entry: no-op
+                assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError):
+            with serial_cpu():
+                raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+        with serial_cpu(enabled=False):
+            assert torch.get_num_threads() == 2
+        seen = []
+
+        def worker():                                            # plans in several Python threads
+            for _ in range(20):
+                with serial_cpu():
+                    seen.append(torch.get_num_threads())
+        threads = [threading.Thread(target=worker) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert seen == [1] * 60 and torch.get_num_threads() == 2
+        q, k, v = make_qkv(1, 300, 2, 16)
+        routing.build_plan(validate(q, k, v, topk_ratio=0.2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kw", [dict(topk_ratio=0.2, sink_blocks=(0, 1)), dict(tau=0.5, sink_q=(2, 3))])
+def test_chunked_plan_equals_the_one_chunk_plan(kw):
+    q, k, v = make_qkv(2, 600, 3, 16, seed=3)
+    gate = torch.rand_like(q)
+    L = torch.tensor([64, 40, 64, 64, 7, 64, 64, 64, 64, 24], dtype=torch.int32)
+    p = validate(q, k, v, block_len=L, coarse_gate=gate, **kw)
+    st = routing.block_stats(p)
+    one = routing.assemble_plan(p, st, routing.sol_attn_selector(p, st), tail=True, coarse=True)
+    n = p.n
+    # whole groups per chunk, then bands of rows of one group
+    for nbytes in (2 * n * n * routing.BYTES_PER_SCORE, 3 * n * routing.BYTES_PER_SCORE):
+        many = routing.assemble_plan(p, st, routing.sol_attn_selector(p, st), tail=True, coarse=True,
+                                     nbytes=nbytes)
+        for f in ("kv_num_blocks", "kv_indices", "touches_dead"):
+            assert torch.equal(getattr(one, f), getattr(many, f)), f
+        assert one.touches_dead.any()
+        for f in ("tail_lse", "tail_value", "coarse"):
+            assert torch.allclose(getattr(one, f), getattr(many, f), atol=1e-6, rtol=1e-6), f
+
+
+def test_block_stats_cpu_path_equals_the_generic_path():
+    q, k, v = make_qkv(2, 300, 3, 16, seed=4)
+    L = torch.tensor([64, 20, 64, 64, 44], dtype=torch.int32)
+    q = q.clone()
+    q[:, 64 + 20:128] = float("nan")                                          # dead rows hold NaN
+    p = validate(q, k, v, block_len=L)
+    st = routing.block_stats(p)                                                # CPU inference path
+    for got, x in ((st.qm, q), (st.km, k), (st.vm, v)):
+        want = routing.block_means(x.detach().requires_grad_(), L)             # the generic path
+        assert torch.isfinite(got).all()
+        assert torch.allclose(got, want.detach(), atol=1e-6)
+    assert torch.equal(st.m, st.km.mean(dim=2, keepdim=True))
+
+
+def test_tail_rows_empty_tail_and_gradient_match_logsumexp():
+    g = torch.Generator().manual_seed(5)
+    qm, kmc, vm = (torch.randn(2, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    qm = qm[:, :4].clone().requires_grad_()
+    logL = torch.log(torch.tensor([64.0, 64, 30, 64, 64, 5], dtype=torch.float64))
+    exact = torch.rand(2, 4, 6, generator=g) < 0.4
+    exact[0, 1] = True                                                         # an empty tail
+    lse, tv = routing.tail_rows(qm, kmc, vm, logL, 0.7, exact)
+    assert math.isinf(lse[0, 1].item()) and lse[0, 1] < 0 and torch.equal(tv[0, 1], torch.zeros(8, dtype=torch.float64))
+    logw = (0.7 * qm @ kmc.transpose(-1, -2) + logL).masked_fill(exact, -math.inf)
+    want_lse = torch.logsumexp(logw, -1)
+    want_tv = torch.softmax(logw, -1).nan_to_num(0.0) @ vm
+    keep = ~torch.isinf(want_lse)
+    assert torch.allclose(lse[keep], want_lse[keep]) and torch.allclose(tv, want_tv)
+    (ga,) = torch.autograd.grad(lse[keep].sum() + tv.pow(2).sum(), qm)
+    (gb,) = torch.autograd.grad(want_lse[keep].sum() + want_tv.pow(2).sum(), qm)
+    assert torch.isfinite(ga).all() and torch.allclose(ga, gb)

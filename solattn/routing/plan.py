@@ -16,6 +16,7 @@ flow through them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Tuple
@@ -24,7 +25,7 @@ import torch
 
 from ..budget import current_budget
 from ..validation import BLOCK, Problem
-from .stats import BlockStats
+from .stats import BlockStats, serial_cpu
 
 #: Selection rule of one chunk: ``select(g0, g1, i0, i1)`` -> ``(g1 - g0, i1 - i0, n)`` bool,
 #: the exact key blocks of query blocks ``[i0, i1)`` of the flattened (batch, head) groups ``[g0, g1)``.
@@ -36,6 +37,9 @@ Selector = Callable[[int, int, int, int], torch.Tensor]
 #: (fp32 values + int64 indices next to the scores, 16 B + 4 B); 32 leaves room for the
 #: allocator's rounding.
 BYTES_PER_SCORE = 32
+
+#: Score elements of a chunk below which its CPU ops run with one intra-op thread
+_SERIAL_SCORES = 1 << 22
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,9 +105,15 @@ def tail_rows(qm: torch.Tensor, kmc: torch.Tensor, vm: torch.Tensor, logL: torch
     """The pooled tail of query-block rows ``qm`` ``(..., r, D)`` over the blocks not in ``exact``
     ``(..., r, n)``: ``(tail_lse (..., r), tail_value (..., r, D))`` with centred means ``kmc``."""
     logw = (scale * (qm @ kmc.transpose(-1, -2)) + logL).masked_fill_(exact, -math.inf)
-    lse = torch.logsumexp(logw, dim=-1)
-    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    return lse, torch.exp(logw - safe[..., None]) @ vm                  # value 0 for an empty tail
+    # One exp serves both terms: w = exp(logw - mx) with mx the row max (0 for an empty tail,
+    # whose weights are then all 0); sum(w) >= 1 otherwise (the max term is exp(0)). The result
+    # does not depend on mx, so it carries no gradient.
+    mx = logw.detach().amax(dim=-1, keepdim=True)
+    mx = mx.masked_fill_(torch.isneginf(mx), 0.0)
+    w = torch.exp(logw - mx)
+    total = w.sum(dim=-1, keepdim=True)
+    lse = (torch.log(total) + mx).squeeze(-1)                             # -inf for an empty tail
+    return lse, (w @ vm) / total.clamp_min(1.0)                       # value 0 for an empty tail
 
 
 def indices_from_mask(exact: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -112,14 +122,26 @@ def indices_from_mask(exact: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     Each selected block j goes to column ``cumsum - 1`` of its row (elementwise, no sort);
     unselected blocks go to a scratch column that is dropped. One host sync (the width M).
     """
+    counts, idx = _indices_from_mask(exact)
+    return counts, idx.contiguous()
+
+
+def _indices_from_mask(exact: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`indices_from_mask` with the indices as a view (the caller copies them into place).
+    Selected block j goes to column ``cumsum_j`` (1-based), unselected ones to scratch column 0."""
     n = exact.shape[-1]
     counts = exact.sum(dim=-1, dtype=torch.int32)
     M = max(1, int(counts.max().item())) if counts.numel() else 1
-    pos = exact.cumsum(dim=-1, dtype=torch.int32).sub_(1).masked_fill_(~exact, M).long()
-    cols = torch.arange(n, device=exact.device, dtype=torch.int32).expand_as(exact)
+    pos = exact.cumsum(dim=-1).mul_(exact)                                # int64; 0 where unselected
     idx = torch.zeros(*exact.shape[:-1], M + 1, dtype=torch.int32, device=exact.device)
-    idx.scatter_(-1, pos, cols)
-    return counts, idx[..., :M].contiguous()
+    idx.scatter_(-1, pos, _arange(n, exact.device).expand_as(exact))
+    return counts, idx[..., 1:]
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` int32, shared read-only (only ever a scatter source)."""
+    return torch.arange(n, device=device, dtype=torch.int32)
 
 
 def plan_chunks(groups: int, n: int, nbytes: int) -> Iterator[Tuple[int, int, int, int]]:
@@ -151,13 +173,46 @@ def assemble_plan(problem: Problem, stats: BlockStats, select: Selector, tail: b
     intermediates for the backward pass, outside that bound.
     """
     B, H, n, D = stats.qm.shape
-    G, dev = B * H, stats.qm.device
     nbytes = current_budget("sdpa") if nbytes is None else nbytes
+    chunks = list(plan_chunks(B * H, n, nbytes))
+    g0, g1, i0, i1 = chunks[0]
+    # A chunk below _SERIAL_SCORES scores is a few ms of single-threaded work split over dozens of
+    # small ops: on the CPU they run with one intra-op thread (see serial_cpu); larger chunks
+    # keep the default threads, their ops being long enough to pay for a parallel region.
+    small = (g1 - g0) * (i1 - i0) * n < _SERIAL_SCORES
+    with serial_cpu(stats.qm.device.type == "cpu" and small):
+        return _assemble(problem, stats, select, tail, coarse, chunks)
+
+
+def _assemble(problem: Problem, stats: BlockStats, select: Selector, tail: bool, coarse: bool,
+              chunks: List[Tuple[int, int, int, int]]) -> Plan:
+    """:func:`assemble_plan` over the given chunks (in :func:`plan_chunks` order)."""
+    B, H, n, D = stats.qm.shape
+    G, dev = B * H, stats.qm.device
     qm, km, vm = (x.reshape(G, n, D) for x in (stats.qm, stats.km, stats.vm))
     kmc = (stats.km - stats.m).reshape(G, n, D) if tail else None
     logL = torch.log(stats.L.to(torch.float32)) if tail else None
     dead_block = stats.L < BLOCK
     any_dead = bool(dead_block.any())
+
+    def bh(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if x is None else x.view(B, H, *x.shape[1:])
+
+    if len(chunks) == 1:                                 # the whole plan at once: no staging
+        with torch.no_grad():
+            exact = select(0, G, 0, n)
+            touches = ((exact & dead_block).any(dim=-1) if any_dead
+                       else torch.zeros(G, n, dtype=torch.bool, device=dev))
+            counts, idx = _indices_from_mask(exact)
+            idx = idx.contiguous()
+        lse = tv = part = None
+        if tail:
+            lse, tv = tail_rows(qm, kmc, vm, logL, problem.scale, exact)
+        del exact
+        if coarse:
+            part = coarse_rows(qm, km, vm, problem.scale)
+        return Plan(kv_num_blocks=bh(counts), kv_indices=bh(idx), block_len=stats.L, key_mean=stats.m,
+                    tail_lse=bh(lse), tail_value=bh(tv), coarse=bh(part), touches_dead=bh(touches))
 
     # Everything that outlives a chunk is allocated before the loop and written in place: on the
     # CPU, small long-lived allocations made between the chunks' large temporaries pin glibc's
@@ -175,12 +230,12 @@ def assemble_plan(problem: Problem, stats: BlockStats, select: Selector, tail: b
         tail_value = torch.empty(G, n, D, dtype=torch.float32, device=dev) if tail else None
         coarse_out = torch.empty(G, n, D, dtype=torch.float32, device=dev) if coarse else None
     M = 1
-    for g0, g1, i0, i1 in plan_chunks(G, n, nbytes):
+    for g0, g1, i0, i1 in chunks:
         with torch.no_grad():
             exact = select(g0, g1, i0, i1)
             if any_dead:
                 touches[g0:g1, i0:i1] = (exact & dead_block).any(dim=-1)
-            counts, idx = indices_from_mask(exact)
+            counts, idx = _indices_from_mask(exact)
             kv_num_blocks[g0:g1, i0:i1] = counts
             if idx.shape[-1] > kv_indices.shape[-1]:     # widen (doubling: few reallocations)
                 wider = torch.zeros(G, n, min(n, max(idx.shape[-1], 2 * kv_indices.shape[-1])),
@@ -210,8 +265,6 @@ def assemble_plan(problem: Problem, stats: BlockStats, select: Selector, tail: b
     if kv_indices.shape[-1] != M:
         kv_indices = kv_indices[..., :M].contiguous()
     if graph:
-        chunks = list(plan_chunks(G, n, nbytes))
-
         def joined(parts: List[torch.Tensor]) -> torch.Tensor:
             """Chunk results in ``plan_chunks`` order -> ``(G, n, ...)``: rows first, then groups."""
             groups, row = [], []
@@ -225,9 +278,6 @@ def assemble_plan(problem: Problem, stats: BlockStats, select: Selector, tail: b
         tail_lse = joined(lse_parts) if tail else None
         tail_value = joined(tv_parts) if tail else None
         coarse_out = joined(coarse_parts) if coarse else None
-
-    def bh(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if x is None else x.view(B, H, *x.shape[1:])
 
     return Plan(kv_num_blocks=bh(kv_num_blocks), kv_indices=bh(kv_indices), block_len=stats.L,
                 key_mean=stats.m, tail_lse=bh(tail_lse), tail_value=bh(tail_value), coarse=bh(coarse_out),

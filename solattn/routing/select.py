@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from ..validation import Problem
-from .plan import Selector
-from .stats import BlockStats
+from .plan import _SERIAL_SCORES, Selector
+from .stats import BlockStats, serial_cpu
 
 TOPK_METHODS = ("topk", "sort")
 
@@ -78,6 +78,25 @@ def force_blocks_(exact: torch.Tensor, problem: Problem, i0: int) -> torch.Tenso
     return exact
 
 
+class _ForcedRows:
+    """The forced blocks of query-block rows ``[i0, i1)`` as a ``(rows, n)`` bool table, built once
+    per row band and OR-ed into every group's selection (one op per chunk instead of a scatter
+    and fills per chunk). Only the last band is kept: in whole-group chunks that is the only
+    one, and it is no larger than one group's selection."""
+
+    def __init__(self, problem: Problem, n: int, device) -> None:
+        self.problem, self.n, self.device = problem, n, device
+        self.key, self.table = None, None
+
+    def __call__(self, i0: int, i1: int) -> torch.Tensor:
+        if self.key != (i0, i1):
+            self.table = None
+            self.table = force_blocks_(torch.zeros(1, i1 - i0, self.n, dtype=torch.bool, device=self.device),
+                                       self.problem, i0)[0]
+            self.key = (i0, i1)
+        return self.table
+
+
 def forced_blocks(problem: Problem, n: int, device) -> torch.Tensor:
     """``(n, n)`` bool: the forced blocks of every query block (for inspection and tests)."""
     return force_blocks_(torch.zeros(1, n, n, dtype=torch.bool, device=device), problem, 0)[0]
@@ -88,16 +107,20 @@ def sol_attn_selector(problem: Problem, stats: BlockStats, topk_method: Optional
     B, H, n, D = stats.qm.shape
     G, dev = B * H, stats.qm.device
     c = problem.scale * math.log2(math.e)
-    qm = stats.qm.reshape(G, n, D)
-    kmc = (stats.km - stats.m).reshape(G, n, D)
+    with serial_cpu(dev.type == "cpu" and G * n * n < _SERIAL_SCORES):   # block-level ops: small
+        qm = stats.qm.reshape(G, n, D)
+        kmc = (stats.km - stats.m).reshape(G, n, D)
+        var = kmc.pow(2).mean(dim=1) if problem.topk_ratio == 0.0 else None   # population, (G, D)
     if problem.topk_ratio == 0.0:
-        var = kmc.pow(2).mean(dim=1)                     # population variance over blocks, (G, D)
         kk, sinks, method = 0, None, None
     else:
         sinks = sink_mask(problem.sink_blocks, n, dev)
         n_sinks = problem.sink_blocks[1] - problem.sink_blocks[0] if problem.sink_blocks else 0
         kk = topk_count(problem.topk_ratio, n - n_sinks)
         method = topk_method or default_topk_method(dev, n)
+
+    has_sinks = problem.sink_blocks is not None
+    forced_rows = _ForcedRows(problem, n, dev)
 
     def select(g0: int, g1: int, i0: int, i1: int) -> torch.Tensor:
         q = qm[g0:g1, i0:i1]
@@ -106,14 +129,13 @@ def sol_attn_selector(problem: Problem, stats: BlockStats, topk_method: Optional
             thr = problem.tau * torch.sqrt(c * c * (q.pow(2) * var[g0:g1, None, :]).sum(-1) + 1e-6)
             exact = R > thr[..., None]
         elif kk > 0:
-            cand = R.masked_fill_(sinks, -math.inf)
+            cand = R.masked_fill_(sinks, -math.inf) if has_sinks else R
             theta = kth_largest(cand, kk, method)
             exact = cand >= theta[..., None]
-            del cand, R
-            exact &= ~sinks
+            del cand, R                                 # sink columns: forced below
         else:
             exact = torch.zeros(R.shape, dtype=torch.bool, device=dev)
-        return force_blocks_(exact, problem, i0)
+        return exact.logical_or_(forced_rows(i0, i1))
 
     return select
 

@@ -6,7 +6,9 @@ Everything downstream of this module works at block granularity: means are
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,6 +23,42 @@ _POOL_CHUNK_BYTES = 256 << 20
 
 #: fp32 staging buffer of the CPU block means (stays in cache; reused chunk after chunk)
 _CPU_POOL_CHUNK_BYTES = 8 << 20
+
+
+_serial_lock = threading.RLock()
+_serial_state = threading.local()
+
+
+@contextlib.contextmanager
+def serial_cpu(enabled: bool = True):
+    """Run the enclosed CPU ops with one intra-op thread, then restore the thread count.
+
+    The routing plan's CPU ops are small (block-level tensors, cache-sized chunks of the block
+    means: well under a millisecond each). With several intra-op threads each of them is an
+    OpenMP parallel region, and when other processes keep the cores busy every region waits for
+    its descheduled workers: measured ~100x slower on a 2-core CPU (1 s instead of 10 ms) while
+    one thread stayed at ~10 ms. Quiet, the second thread saved at most a few ms.
+
+    ``torch.set_num_threads`` is the only knob and is process-wide in some builds, so the
+    enclosed section holds a lock: plans in other Python threads wait for it (they would share
+    the same cores anyway) and each section restores exactly the value it found. Re-entry from
+    the same thread is a no-op. Other code running in another thread meanwhile may see one
+    thread in builds whose thread count is global (OpenMP builds keep it per thread).
+    """
+    if not enabled or getattr(_serial_state, "depth", 0):
+        yield
+        return
+    with _serial_lock:
+        _serial_state.depth = 1
+        before = torch.get_num_threads()
+        try:
+            if before != 1:
+                torch.set_num_threads(1)
+            yield
+        finally:
+            if before != 1:
+                torch.set_num_threads(before)
+            _serial_state.depth = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,34 +143,52 @@ def _means_from_sums(sums, L: torch.Tensor) -> torch.Tensor:
 
 
 def _block_means_cpu(x: torch.Tensor, L: torch.Tensor, all_live: bool) -> torch.Tensor:
-    """CPU inference path of :func:`block_means`: each chunk of blocks is converted to fp32 into
-    one reused buffer, then summed. On a 2-core CPU ``sum(dtype=float32)`` over bf16 ran at
+    """CPU inference path of :func:`block_means` (see :func:`_block_sums_cpu`)."""
+    B, T, H, D = x.shape
+    sums = torch.empty(1, B, L.shape[0], H, D, dtype=torch.float32)
+    with serial_cpu():
+        _block_sums_cpu((x,), L, all_live, sums)
+        return sums[0].div_(L.to(torch.float32)[None, :, None, None]).permute(0, 2, 1, 3)
+
+
+def _block_sums_cpu(xs, L: torch.Tensor, all_live: bool, out: torch.Tensor) -> None:
+    """fp32 sums over the live rows of each block of every ``(B, T, H, D)`` tensor of ``xs`` into
+    ``out[i]`` ``(B, n, H, D)``. Each chunk of blocks is converted to fp32 into one reused buffer,
+    then summed into its slice of ``out``. On a 2-core CPU ``sum(dtype=float32)`` over bf16 ran at
     ~2 ns per element; converting into a cached buffer and summing fp32 was ~7x faster, with
     identical fp32 results."""
-    B, T, H, D = x.shape
+    B, T, H, D = xs[0].shape
     n = L.shape[0]
     step = max(1, _CPU_POOL_CHUNK_BYTES // (B * BLOCK * H * D * 4))
     buf = torch.empty(B, min(step, n) * BLOCK, H, D, dtype=torch.float32)
-    live = None if all_live else live_token_mask(L)
-    sums = []
-    for b0 in range(0, n, step):
-        b1 = min(n, b0 + step)
-        rows = min(b1 * BLOCK, T) - b0 * BLOCK
-        view = buf[:, :(b1 - b0) * BLOCK]
-        view[:, :rows].copy_(x[:, b0 * BLOCK:b0 * BLOCK + rows])
-        view[:, rows:].zero_()                                            # past T (ragged block)
-        blocks = view.unflatten(1, (b1 - b0, BLOCK))
-        if live is not None:                                              # dead rows: 0, even NaN
-            blocks.masked_fill_(~live[b0:b1][None, :, :, None, None], 0.0)
-        sums.append(blocks.sum(dim=2))
-    return _means_from_sums(sums, L)
+    dead = None if all_live else ~live_token_mask(L)[None, :, :, None, None]
+    for i, x in enumerate(xs):
+        for b0 in range(0, n, step):
+            b1 = min(n, b0 + step)
+            rows = min(b1 * BLOCK, T) - b0 * BLOCK
+            view = buf[:, :(b1 - b0) * BLOCK]
+            view[:, :rows].copy_(x[:, b0 * BLOCK:b0 * BLOCK + rows])
+            if rows < view.shape[1]:                                      # past T (ragged block)
+                view[:, rows:].zero_()
+            blocks = view.unflatten(1, (b1 - b0, BLOCK))
+            if dead is not None:                                          # dead rows: 0, even NaN
+                blocks.masked_fill_(dead[:, b0:b1], 0.0)
+            torch.sum(blocks, dim=2, out=out[i, :, b0:b1])
 
 
 def block_stats(problem: Problem) -> BlockStats:
     """Block means of q, k, v over live rows and the key centroid ``m`` (SPEC.md, "Pooled statistics")."""
     L = live_lengths(problem)
     all_live = problem.block_len is None
-    qm = block_means(problem.q, L, all_live)
-    km = block_means(problem.k, L, all_live)
-    vm = block_means(problem.v, L, all_live)
+    qkv = (problem.q, problem.k, problem.v)
+    if problem.device.type == "cpu" and not (torch.is_grad_enabled() and any(x.requires_grad for x in qkv)):
+        # q, k, v summed into one buffer and divided by L in one op (fewer, larger ops)
+        B, T, H, D = problem.q.shape
+        sums = torch.empty(3, B, L.shape[0], H, D, dtype=torch.float32)
+        with serial_cpu():
+            _block_sums_cpu(qkv, L, all_live, sums)
+            qm, km, vm = sums.div_(L.to(torch.float32)[None, None, :, None, None]).permute(0, 1, 3, 2, 4)
+            m = km.mean(dim=2, keepdim=True)
+        return BlockStats(qm=qm, km=km, vm=vm, m=m, L=L)
+    qm, km, vm = (block_means(x, L, all_live) for x in qkv)
     return BlockStats(qm=qm, km=km, vm=vm, m=km.mean(dim=2, keepdim=True), L=L)
