@@ -46,12 +46,14 @@ def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
     return chosen.forward(problem, plan)
 
 
-def lse_buffer(q: Tensor, want: bool) -> Tensor:
+def lse_buffer(q: Tensor, want: bool, rows: Optional[int] = None) -> Tensor:
     """The log-sum-exp output of the custom ops: ``(B, H, n * 64)`` fp32 when a backward may need
-    it (written only by the triton forward), else an empty ``(0,)`` tensor."""
+    it (written only by the triton forward), else an empty ``(0,)`` tensor. ``rows``: the
+    sequence length the kernel runs on, when not q's (VSA's tiled layout)."""
     if not want:
         return torch.empty((0,), dtype=torch.float32, device=q.device)
     B, T, H, _ = q.shape
+    T = T if rows is None else rows
     return torch.empty((B, H, -(-T // BLOCK) * BLOCK), dtype=torch.float32, device=q.device)
 
 
