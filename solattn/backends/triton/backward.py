@@ -13,7 +13,8 @@ gradient and ``delta_t = dO_t . O_t``, a logit's natural-log gradient is ``p (dO
 - :func:`sol_attn_bwd_dq`, one program per (64-row query block, b*H + h), walks the block's
   ``kv_indices``: ``delta`` first (from the forward's output less the rounded coarse term,
   stored for the other kernel), then ``dq``; it also finishes what belongs to the query block:
-  the tail key's gradients (``dq += dlogit_tail scale m`` and the per-block sums
+  the tail key's gradients (its ``dq`` term ``dlogit_tail scale m`` enters through centred keys:
+  ``dq_t = scale sum_u ds_tu (k_u - m)``, exact because a row's logit gradients sum to zero; and the per-block sums
   ``dtail_lse_i = sum_t dlogit_tail_t``, ``dtail_value_i = sum_t p_tail_t dO_t``,
   ``dm_i = sum_t dlogit_tail_t scale q_t``) and the coarse term's (``dgate_t = dO_t coarse_i``,
   ``dcoarse_i = sum_t gate_t dO_t``).
@@ -60,6 +61,7 @@ def sol_attn_bwd_dq(
     qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr,
+    EXACT_DELTA: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -76,22 +78,26 @@ def sol_attn_bwd_dq(
                  mask=q_live[:, None], other=0.0)
     do32 = do.to(tl.float32)
     out_off = ((b * T + tok64) * H + h) * HEAD_DIM                     # contiguous (B, T, H, D)
-    o = tl.load(Out + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
     if HAS_COARSE:
         gate = tl.load(Gate + b * sgb + h * sgh + tok64[:, None] * sgt + dims[None, :] * sgd,
                        mask=q_live[:, None], other=0.0).to(tl.float32)
         coarse = tl.load(Coarse + plan_row * HEAD_DIM + dims)
-        # delta needs the attention output alone: take off the coarse term as the forward rounded it
-        o = o - (gate * coarse[None, :]).to(Out.dtype.element_ty).to(tl.float32)
         tl.store(DGate + out_off[:, None] + dims[None, :], (do32 * coarse[None, :]).to(DGate.dtype.element_ty),
                  mask=row_ok[:, None])
         tl.store(DCoarse + plan_row * HEAD_DIM + dims, tl.sum(gate * do32, 0))
-    delta = tl.sum(o * do32, 1)
-    tl.store(Delta + plan_row * BLOCK + rows, delta)
+    # flash attention's delta: from the stored output, less the coarse term as the forward rounded it
+    o = tl.load(Out + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
+    if HAS_COARSE:
+        o = o - (gate * coarse[None, :]).to(Out.dtype.element_ty).to(tl.float32)
+    delta0 = tl.sum(o * do32, 1)
     lse = tl.load(Lse + plan_row * BLOCK + rows)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)            # no finite term: every p is 0
 
     dq = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    if EXACT_DELTA:
+        pdp = tl.zeros([BLOCK], dtype=tl.float32)                      # sum_u p_u dp_u
+        pk = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)             # sum_u p_u (k_u - m)
+    key_mean = tl.load(KeyMean + bh.to(tl.int64) * HEAD_DIM + dims)
     count = tl.load(KvNum + plan_row)
     idx_row = KvIdx + plan_row * max_blocks
     k_base = K + b * skb + h * skh
@@ -106,20 +112,38 @@ def sol_attn_bwd_dq(
         s = block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-    dq = dq * scale
+        # dq against centred keys: a row's logit gradients (tail key included) sum to zero, so
+        # sum_u ds_u k_u + ds_tail m = sum_u ds_u (k_u - m). Uncentred, a large common key offset
+        # would make both terms large and the bf16-rounded ds would leave their difference noisy.
+        k_c = (k.to(tl.float32) - key_mean[None, :]).to(k.dtype)
+        ds = p * (dp - delta0[:, None])
+        dq += tl.dot(ds.to(k.dtype), k_c)
+        if EXACT_DELTA:
+            pdp += tl.sum(p * dp, 1)
+            pk += tl.dot(p.to(k.dtype), k_c)
 
     if HAS_TAIL:
-        key_mean = tl.load(KeyMean + bh.to(tl.int64) * HEAD_DIM + dims)
         q32 = q.to(tl.float32)
         shift = tl.sum(q32 * key_mean[None, :], 1) * qk_scale
         tail_lse = tl.load(TailLse + plan_row)
         tail_value = tl.load(TailValue + plan_row * HEAD_DIM + dims)
         p_tail = tl.math.exp2(shift + tail_lse * 1.4426950408889634 - lse)   # 0 for an empty tail
         p_tail = tl.where(q_live, p_tail, 0.0)
-        dl_tail = p_tail * (tl.sum(do32 * tail_value[None, :], 1) - delta)    # natural-log logit
-        dq += (dl_tail * scale)[:, None] * key_mean[None, :]
+        dp_tail = tl.sum(do32 * tail_value[None, :], 1)
+        if EXACT_DELTA:
+            pdp += p_tail * dp_tail
+    if EXACT_DELTA:
+        # delta = dO . O = sum over every term of p dp, in fp32 (the stored output is rounded to
+        # bf16/fp16); dq was summed with delta0, and the difference is small: correct it once
+        delta = pdp
+        dq = dq - (delta - delta0)[:, None] * pk
+    else:
+        delta = delta0
+    tl.store(Delta + plan_row * BLOCK + rows, delta)
+    dq = dq * scale
+    if HAS_TAIL:
+        dl_tail = p_tail * (dp_tail - delta)                                  # natural-log logit
+        # (its share of dq, dl_tail scale m, is in the centred keys above)
         tl.store(DTailLse + plan_row, tl.sum(dl_tail, 0))
         tl.store(DTailValue + plan_row * HEAD_DIM + dims, tl.sum(p_tail[:, None] * do32, 0))
         tl.store(DKeyMean + plan_row * HEAD_DIM + dims, tl.sum((dl_tail * scale)[:, None] * q32, 0))
@@ -200,6 +224,10 @@ class BackwardConfig:
     dq_stages: int = 2
     dkdv_warps: int = 4
     dkdv_stages: int = 2
+    #: delta_t = dO_t . O_t summed in fp32 over the row's terms inside the dq loop (one more
+    #: 64 x 64 x D product per key block, for the dq correction) instead of only from the stored,
+    #: rounded output (flash attention's way: about 2x the gradient error in bf16, worst on key_bias)
+    exact_delta: bool = True
 
     def __post_init__(self):
         for field in ("dq_warps", "dkdv_warps"):
@@ -296,7 +324,7 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *gate.stride(),
             bias_stride_b, T, H, n, kv_idx.shape[-1], qk_scale, problem.scale,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=has_tail, HAS_BIAS=has_bias, HAS_COARSE=has_coarse,
-            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+            EXACT_DELTA=cfg.exact_delta, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )
         kernel_dkdv[grid](
             q, k, v, dout, dk, dv, dbias, lse, delta,
