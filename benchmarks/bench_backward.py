@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import solattn  # noqa: E402
 from solattn.backends.triton.backend import launch  # noqa: E402
-from solattn.backends.triton.backward import (BackwardConfig, DEFAULT_BACKWARD, fused_backward,  # noqa: E402
-                                              lse_shape)
+from solattn.backends.triton.backward import (BackwardConfig, DEFAULT_BACKWARD, DEFAULT_BACKWARD_CONFIGS,  # noqa: E402,E501
+                                              fused_backward, lse_shape)
 from solattn.bench.timing import log, reset_clock, time_calls  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
 from solattn.testing import make_qkv, rel_l2  # noqa: E402
@@ -133,15 +133,16 @@ def run_case(name, shape, kw, with_gate, dev, repeats):
 def sweep(state, dev, repeats):
     """Kernel time of every backward launch config on one case (the default first)."""
     problem, plan, out, lse, w = state
-    configs = [DEFAULT_BACKWARD]
+    default = DEFAULT_BACKWARD_CONFIGS.get(problem.D, DEFAULT_BACKWARD)
+    configs = [default]
     for dqw in (4, 8):
         for dqs in (2, 3):
             for kvw in (4, 8):
                 for kvs in (2, 3):
                     c = BackwardConfig(dqw, dqs, kvw, kvs)
-                    if c != DEFAULT_BACKWARD:
+                    if c != default:
                         configs.append(c)
-    configs.append(replace(DEFAULT_BACKWARD, exact_delta=False))
+    configs.append(replace(default, exact_delta=False))
     rows = []
     for c in configs:
         try:
@@ -205,7 +206,7 @@ def main():
               "fused backward (plan rebuilt + kernels + block-level autograd); grad err: relative L2 against "
               "`backend='sdpa'` (its backward recomputes through sdpa)."]
     if not args.no_sweep and not args.smoke and first is not None:
-        lines += ["", f"## Backward launch configs ({rows[0]['case']}, kernels only)", "",
+        lines += ["", f"## Backward launch configs ({rows[0]['case']}, kernels only; first row: the default)", "",
                   "| dq warps | dq stages | dk/dv warps | dk/dv stages | exact delta | ms | note |",
                   "|---|---|---|---|---|---|---|"]
         for c, ms, note in sweep(first, dev, args.repeats):

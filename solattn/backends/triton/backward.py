@@ -242,6 +242,11 @@ class BackwardConfig:
 
 DEFAULT_BACKWARD = BackwardConfig()
 
+#: per head dim: at D = 128 each kernel holds two 64 x 128 fp32 accumulators (dq and the delta
+#: correction; dk and dv) next to two 64 x 128 input tiles, which 4 warps cannot keep in
+#: registers; not yet measured (benchmarks/bench_backward.py sweeps the alternatives)
+DEFAULT_BACKWARD_CONFIGS = {128: BackwardConfig(dq_warps=8, dq_stages=2, dkdv_warps=8, dkdv_stages=2)}
+
 
 @dataclass
 class FusedGrads:
@@ -267,7 +272,7 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
     ``lse_shape`` log-sum-exp, ``grad_out`` the output's gradient (any strides). ``plan`` is the
     forward's plan (the same selection). Runs under ``torch.no_grad``."""
     from .backend import _interpreting
-    cfg = config or DEFAULT_BACKWARD
+    cfg = config or DEFAULT_BACKWARD_CONFIGS.get(problem.D, DEFAULT_BACKWARD)
     q, k, v = problem.q, problem.k, problem.v
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
     dev, f32 = q.device, torch.float32
