@@ -86,7 +86,11 @@ def fused_grads(problem_of: Callable, make_plan: Callable, inputs, out: Tensor, 
         problem = probe
         with torch.no_grad():
             plan = make_plan(problem)
-    grads = fused_backward(problem, plan, out, lse, grad_out, bias_grad=bias_grad)
+    if problem.device.type == "cuda":                  # launch on the inputs' GPU, as the forward does
+        with torch.cuda.device(problem.device):
+            grads = fused_backward(problem, plan, out, lse, grad_out, bias_grad=bias_grad)
+    else:
+        grads = fused_backward(problem, plan, out, lse, grad_out, bias_grad=bias_grad)
     dq, dk, dv = grads.dq, grads.dk, grads.dv
     if block_terms:
         extra = grads_through_plan(plan, grads, leaves)
