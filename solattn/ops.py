@@ -5,22 +5,28 @@ The Python wrapper validates (metadata only, so it also runs while
 builds the plan, dispatches and runs the backend. The fake implementation
 makes ``torch.compile(fullgraph=True)`` and ``torch.export`` see one node.
 
-Autograd: the backward pass recomputes the forward with autograd enabled
-through a differentiable backend (the one that ran the forward when it
-supports autograd, else the first one in the device's priority that does)
-and differentiates that; the selection is treated as constant.
+Autograd: when the forward ran on the ``triton`` backend, the op also returns
+each row's log-sum-exp and the backward is the fused one
+(:mod:`solattn.backends.triton.backward`): the plan is rebuilt (same inputs, same
+selection), two kernels give the token-level gradients and the block-level ones
+(tail, coarse, key centroid) go through the plan's block means with torch
+autograd. Otherwise the backward pass recomputes the forward with autograd
+enabled through a differentiable backend (the one that ran the forward when it
+supports autograd, else the first one in the device's priority that does) and
+differentiates that. The selection is treated as constant either way.
 """
 
 from __future__ import annotations
 
 import contextvars
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import dispatch
+from .backends.triton.backend import TritonBackend
 from .routing import build_plan
-from .validation import Problem, validate
+from .validation import BLOCK, Problem, validate
 
 Tensor = torch.Tensor
 
@@ -38,6 +44,58 @@ def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
     chosen = dispatch.choose(problem, backend)
     plan = build_plan(problem, fused=getattr(chosen, "fused_plan", False)) if chosen.uses_plan else None
     return chosen.forward(problem, plan)
+
+
+def lse_buffer(q: Tensor, want: bool, rows: Optional[int] = None) -> Tensor:
+    """The log-sum-exp output of the custom ops: ``(B, H, n * 64)`` fp32 when a backward may need
+    it (written only by the triton forward), else an empty ``(0,)`` tensor. ``rows``: the
+    sequence length the kernel runs on, when not q's (VSA's tiled layout)."""
+    if not want:
+        return torch.empty((0,), dtype=torch.float32, device=q.device)
+    B, T, H, _ = q.shape
+    T = T if rows is None else rows
+    return torch.empty((B, H, -(-T // BLOCK) * BLOCK), dtype=torch.float32, device=q.device)
+
+
+def run_for_backward(chosen, problem: Problem, plan, lse: Tensor) -> Tuple[Tensor, Tensor]:
+    """Run the chosen backend; on ``triton`` with an ``lse`` buffer, also fill it. Returns the
+    output and a CPU int32 flag: 1 when ``lse`` was written (the fused backward applies)."""
+    if isinstance(chosen, TritonBackend) and lse.numel():
+        return chosen.forward(problem, plan, lse=lse), torch.ones((), dtype=torch.int32)
+    return chosen.forward(problem, plan), torch.zeros((), dtype=torch.int32)
+
+
+def fused_grads(problem_of: Callable, make_plan: Callable, inputs, out: Tensor, lse: Tensor,
+                grad_out: Tensor, bias_grad: bool, settings=None):
+    """Gradients through the triton backend's fused backward. ``problem_of(q, k, v)`` validates the
+    forward's problem on the given tensors, ``make_plan(problem)`` rebuilds its plan (the same
+    selection: same inputs); ``inputs`` = ``(q, k, v)``; ``out``, ``lse`` the forward's outputs.
+    Returns ``(dq, dk, dv, dgate, dbias)`` in the problem's layout (``dbias`` ``(B, T)`` fp32 summed
+    over heads, or None). ``settings``: the forward's context (memory budget, backend choice)."""
+    if settings is not None:
+        return settings.copy().run(fused_grads, problem_of, make_plan, inputs, out, lse, grad_out, bias_grad)
+    from .backends.triton.backward import fused_backward, grads_through_plan
+    probe = problem_of(*inputs)
+    block_terms = probe.tail or probe.coarse_gate is not None    # the plan's terms carry gradients
+    if block_terms:
+        leaves = [t.detach().requires_grad_(True) for t in inputs]
+        with torch.enable_grad():
+            problem = problem_of(*leaves)
+            plan = make_plan(problem)
+    else:
+        problem = probe
+        with torch.no_grad():
+            plan = make_plan(problem)
+    if problem.device.type == "cuda":                  # launch on the inputs' GPU, as the forward does
+        with torch.cuda.device(problem.device):
+            grads = fused_backward(problem, plan, out, lse, grad_out, bias_grad=bias_grad)
+    else:
+        grads = fused_backward(problem, plan, out, lse, grad_out, bias_grad=bias_grad)
+    dq, dk, dv = grads.dq, grads.dk, grads.dv
+    if block_terms:
+        extra = grads_through_plan(plan, grads, leaves)
+        dq, dk, dv = (d if e is None else d + e.to(d.dtype) for d, e in zip((dq, dk, dv), extra))
+    return dq, dk, dv, grads.dgate, grads.dbias
 
 
 def recompute_grads(forward, inputs, grad_out, requested: Optional[str], required=(), settings=None):
@@ -80,32 +138,55 @@ def _sol_attn_op(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[fl
                  sink_blocks: Optional[List[int]], sink_q: Optional[List[int]],
                  key_bias: Optional[Tensor], topk_ratio: float, tail: bool,
                  block_len: Optional[Tensor], coarse_gate: Optional[Tensor], token_aug: int,
-                 backend: str) -> Tensor:
+                 backend: str, want_lse: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(out, lse, fused)``: ``lse`` and the CPU flag ``fused`` are for the backward
+    (see :func:`run_for_backward`); ``want_lse``: a backward may follow."""
     problem = validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
                        block_len, coarse_gate, token_aug)
-    with torch.no_grad():  # the forward never records autograd; _backward recomputes
-        return run_problem(problem, backend or None)
+    with torch.no_grad():  # the forward never records autograd
+        chosen = dispatch.choose(problem, backend or None)
+        plan = build_plan(problem) if chosen.uses_plan else None
+        lse = lse_buffer(q, want_lse)
+        out, fused = run_for_backward(chosen, problem, plan, lse)
+        return out, lse, fused
 
 
 @_sol_attn_op.register_fake
 def _(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
-      coarse_gate, token_aug, backend):
-    return torch.empty(q.shape, dtype=v.dtype, device=v.device)
+      coarse_gate, token_aug, backend, want_lse):
+    return (torch.empty(q.shape, dtype=v.dtype, device=v.device), lse_buffer(q, want_lse),
+            torch.empty((), dtype=torch.int32))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate, \
-        token_aug, backend = inputs
-    ctx.save_for_backward(q, k, v, key_bias, block_len, coarse_gate)
+        token_aug, backend, want_lse = inputs
+    out, lse, fused = output
+    ctx.mark_non_differentiable(lse, fused)
+    ctx.save_for_backward(q, k, v, key_bias, block_len, coarse_gate, out, lse, fused)
     ctx.args = (tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend)
     ctx.settings = forward_settings()
 
 
-def _backward(ctx, grad_out):
-    q, k, v, key_bias, block_len, coarse_gate = ctx.saved_tensors
+def _backward(ctx, grad_out, _grad_lse, _grad_fused):
+    q, k, v, key_bias, block_len, coarse_gate, out, lse, fused = ctx.saved_tensors
     tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend = ctx.args
     # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
     bias_leaf = key_bias if ctx.needs_input_grad[7] and key_bias.is_floating_point() else None
+
+    if lse.numel() and bool(fused.item()):                   # the forward ran the triton kernel
+        def problem_of(qd, kd, vd):
+            return validate(qd, kd, vd, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
+                            block_len, coarse_gate, token_aug)
+
+        gq, gk, gv, gg, gb = fused_grads(problem_of, build_plan, (q, k, v), out, lse, grad_out,
+                                         bias_grad=bias_leaf is not None, settings=ctx.settings)
+        if gb is not None:                   # (B or 1, T) summed over heads -> key_bias's shape
+            if key_bias.numel() != gb.numel():
+                gb = gb.sum(dim=0, keepdim=True)
+            gb = gb.reshape(key_bias.shape).to(key_bias.dtype)
+        return (gq, gk, gv, None, None, None, None, gb, None, None, None,
+                gg if ctx.needs_input_grad[11] else None, None, None, None)
 
     def forward(leaves, name):
         qd, kd, vd, gd, bd = leaves
@@ -115,7 +196,7 @@ def _backward(ctx, grad_out):
 
     gq, gk, gv, gg, gb = recompute_grads(forward, (q, k, v, coarse_gate, bias_leaf), grad_out,
                                          backend or None, required={4: "key_bias"}, settings=ctx.settings)
-    return gq, gk, gv, None, None, None, None, gb, None, None, None, gg, None, None
+    return gq, gk, gv, None, None, None, None, gb, None, None, None, gg, None, None, None
 
 
 _sol_attn_op.register_autograd(_backward, setup_context=_setup_context)
@@ -152,6 +233,9 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
              coarse_gate, token_aug)
     if backend is not None:
         dispatch.get_backend(backend)
-    return _sol_attn_op(q, k, v, float(tau), None if scale is None else float(scale),
-                        _as_list(sink_blocks), _as_list(sink_q), key_bias, float(topk_ratio),
-                        bool(tail), block_len, coarse_gate, int(token_aug), backend or "")
+    want_lse = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, coarse_gate, key_bias))
+    out, _, _ = _sol_attn_op(q, k, v, float(tau), None if scale is None else float(scale),
+                             _as_list(sink_blocks), _as_list(sink_q), key_bias, float(topk_ratio),
+                             bool(tail), block_len, coarse_gate, int(token_aug), backend or "", want_lse)
+    return out

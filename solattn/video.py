@@ -24,7 +24,7 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend
-from .ops import forward_settings, recompute_grads
+from .ops import forward_settings, fused_grads, lse_buffer, recompute_grads, run_for_backward
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
 
@@ -251,23 +251,36 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     k_vid = _resolve_topk(fn, sparsity, topk, n_video)
     gate = _check_gate(fn, gate, q, P, n_video_tokens)
     _explicit_backend(backend)                      # a backend that cannot serve VSA: refuse now
-    return _vsa_op(q, k, v, list(grid), int(k_vid), gate, None if scale is None else float(scale),
-                   backend or "", list(segments), prefix_mode)
+    want_lse = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, gate))
+    out, _, _ = _vsa_op(q, k, v, list(grid), int(k_vid), gate, None if scale is None else float(scale),
+                        backend or "", list(segments), prefix_mode, want_lse)
+    return out
 
 
-def _vsa_forward(q, k, v, grid, k_vid: int, gate, scale, backend: Optional[str], segments, mode: str):
+def _tiled_gate(gate, tq: torch.Tensor, layout: _Layout):
+    """The coarse gate in the tiled layout (None, a 0-dim constant, or a tensor of q's shape)."""
+    if gate is None:
+        return None
+    return gate.expand(tq.shape) if gate.dim() == 0 else _to_tiled(gate, layout)
+
+
+def _vsa_forward(q, k, v, grid, k_vid: int, gate, scale, backend: Optional[str], segments, mode: str,
+                 lse: Optional[torch.Tensor] = None):
     """The computation behind ``video_sparse_attn`` (validated arguments; ``gate``: None, a 0-dim
-    tensor (a constant gate) or a tensor of q's shape)."""
+    tensor (a constant gate) or a tensor of q's shape). With ``lse`` (a :func:`lse_buffer` in the
+    tiled layout) returns ``(out, fused)`` as :func:`run_for_backward` does; else the output."""
     explicit = _explicit_backend(backend)
     layout = _layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
     tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
-    tg = None
-    if gate is not None:                            # the backend applies plan.coarse with it
-        tg = gate.expand(tq.shape) if gate.dim() == 0 else _to_tiled(gate, layout)
+    tg = _tiled_gate(gate, tq, layout)              # the backend applies plan.coarse with it
     problem = validate(tq, tk, tv, scale=scale, tail=False, block_len=layout.block_len, coarse_gate=tg)
     chosen = _plan_backend(problem, explicit)
     plan = build_vsa_plan(problem, k_vid, layout.num_prefix_blocks, mode)
-    return chosen.forward(problem, plan).index_select(1, layout.slots)    # (B, T, H, D), v's dtype
+    if lse is None:
+        return chosen.forward(problem, plan).index_select(1, layout.slots)    # (B, T, H, D), v's dtype
+    out, fused = run_for_backward(chosen, problem, plan, lse)
+    return out.index_select(1, layout.slots), fused
 
 
 # ``video_sparse_attn`` is the torch.library custom op ``solattn::video_sparse_attn``: the routing
@@ -276,32 +289,64 @@ def _vsa_forward(q, k, v, grid, k_vid: int, gate, scale, backend: Optional[str],
 @torch.library.custom_op("solattn::video_sparse_attn", mutates_args=())
 def _vsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: List[int], k_vid: int,
             gate: Optional[torch.Tensor], scale: Optional[float], backend: str,
-            segments: List[int], mode: str) -> torch.Tensor:
+            segments: List[int], mode: str, want_lse: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, lse, fused)`` as ``solattn::sol_attn`` returns them; ``lse`` in the tiled layout."""
     with torch.no_grad():
-        return _vsa_forward(q, k, v, grid, k_vid, gate, scale, backend or None, segments, mode)
+        lse = lse_buffer(q, want_lse, _tiled_rows(grid, segments))
+        out, fused = _vsa_forward(q, k, v, grid, k_vid, gate, scale, backend or None, segments, mode, lse)
+        return out, lse, fused
+
+
+def _tiled_rows(grid, segments) -> int:
+    """Rows of the tiled layout: 64 per prefix tile and per cube."""
+    return (num_cubes(tuple(grid), DEFAULT_CUBE) + sum(-(-s // BLOCK) for s in segments)) * BLOCK
 
 
 @_vsa_op.register_fake
-def _(q, k, v, grid, k_vid, gate, scale, backend, segments, mode):
-    return torch.empty(q.shape, dtype=v.dtype, device=v.device)
+def _(q, k, v, grid, k_vid, gate, scale, backend, segments, mode, want_lse):
+    return (torch.empty(q.shape, dtype=v.dtype, device=v.device),
+            lse_buffer(q, want_lse, _tiled_rows(grid, segments)), torch.empty((), dtype=torch.int32))
 
 
 def _vsa_setup_context(ctx, inputs, output):
-    q, k, v, grid, k_vid, gate, scale, backend, segments, mode = inputs
-    ctx.save_for_backward(q, k, v, gate)
+    q, k, v, grid, k_vid, gate, scale, backend, segments, mode, want_lse = inputs
+    out, lse, fused = output
+    ctx.mark_non_differentiable(lse, fused)
+    ctx.save_for_backward(q, k, v, gate, out, lse, fused)
     ctx.args = (grid, k_vid, scale, backend, segments, mode)
     ctx.settings = forward_settings()
 
 
-def _vsa_backward(ctx, grad_out):
+def _vsa_backward(ctx, grad_out, _grad_lse, _grad_fused):
     grid, k_vid, scale, backend, segments, mode = ctx.args
+    q, k, v, gate, out, lse, fused = ctx.saved_tensors
+    if lse.numel() and bool(fused.item()):                   # the forward ran the triton kernel
+        layout = _layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
+        tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
+        tg = _tiled_gate(gate, tq, layout)
+
+        def problem_of(qd, kd, vd):
+            return validate(qd, kd, vd, scale=scale, tail=False, block_len=layout.block_len, coarse_gate=tg)
+
+        def make_plan(problem):
+            return build_vsa_plan(problem, k_vid, layout.num_prefix_blocks, mode)
+
+        gq, gk, gv, gg, _ = fused_grads(problem_of, make_plan, (tq, tk, tv), _to_tiled(out, layout), lse,
+                                        _to_tiled(grad_out, layout), bias_grad=False, settings=ctx.settings)
+        gq, gk, gv = (g.index_select(1, layout.slots) for g in (gq, gk, gv))
+        if gg is not None and ctx.needs_input_grad[5]:
+            gg = gg.sum() if gate.dim() == 0 else gg.index_select(1, layout.slots)
+            gg = gg.to(gate.dtype)
+        else:
+            gg = None
+        return gq, gk, gv, None, None, gg, None, None, None, None, None
 
     def forward(leaves, name):
         return _vsa_forward(*leaves[:3], grid, k_vid, leaves[3], scale, name, segments, mode)
 
-    gq, gk, gv, gg = recompute_grads(forward, ctx.saved_tensors, grad_out, backend or None,
+    gq, gk, gv, gg = recompute_grads(forward, (q, k, v, gate), grad_out, backend or None,
                                      settings=ctx.settings)
-    return gq, gk, gv, None, None, gg, None, None, None, None
+    return gq, gk, gv, None, None, gg, None, None, None, None, None
 
 
 _vsa_op.register_autograd(_vsa_backward, setup_context=_vsa_setup_context)

@@ -93,6 +93,12 @@ class Plan:
 
     exact = property(dense_mask, doc="Same as :meth:`dense_mask` (derived on each access).")
 
+    def query_lists(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The selection transposed, for a backward pass that walks key blocks: for each key block
+        j, the query blocks i whose list holds j, as ``(q_num_blocks (B, H, n), q_indices
+        (B, H, n, Mq))`` int32, ascending, 0-padded (:func:`indices_from_mask`; one host sync)."""
+        return indices_from_mask(self.dense_mask().transpose(-1, -2))
+
 
 def coarse_rows(qm: torch.Tensor, km: torch.Tensor, vm: torch.Tensor, scale: float) -> torch.Tensor:
     """The coarse branch of query-block rows ``qm`` ``(..., r, D)`` against all blocks ``km``, ``vm``

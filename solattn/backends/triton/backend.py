@@ -106,12 +106,14 @@ def _plan_tensor(t: Optional[torch.Tensor], dtype: torch.dtype, fallback: torch.
 
 
 def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
-           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+           out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run the kernel on ``problem`` with the selection in ``plan``; returns ``(B, T, H, D)`` contiguous.
 
     ``config`` defaults to ``DEFAULT_CONFIGS`` for the head dim (pointer loads below
     ``TMA_MIN_PROGRAMS`` programs). ``out``, when given, must be a contiguous ``(B, T, H, D)``
     tensor of v's dtype on q's device; the kernel writes every element of it (tests poison it first).
+    ``lse``, when given, a contiguous fp32 ``(B, H, n * 64)`` tensor, receives every row's base-2
+    log-sum-exp (see :func:`solattn.backends.triton.backward.lse_shape`) for the fused backward.
     """
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"triton backend: argument 'config' received {type(config).__name__}; "
@@ -122,11 +124,12 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
         if problem.B * problem.H * problem.n < TMA_MIN_PROGRAMS:
             cfg = replace(cfg, tma=False)
     from . import kernel  # imports triton
-    return run_kernel(kernel.sol_attn_fwd, problem, plan, cfg, out)
+    return run_kernel(kernel.sol_attn_fwd, problem, plan, cfg, out, lse=lse)
 
 
 def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
-               out: Optional[torch.Tensor] = None, constexprs: Optional[dict] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, constexprs: Optional[dict] = None,
+               lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch ``jit_kernel``, a ``JITFunction`` with the production kernel's signature, on
     ``problem`` and ``plan``. :func:`launch` runs the production kernel through it; benchmark
     experiments (``benchmarks/kernel_variants.py``) run their variants through it too, with the
@@ -142,6 +145,10 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
                          f"device {out.device}; allowed: a contiguous {(B, T, H, D)} tensor of {v.dtype} on {v.device}")
 
     f32 = torch.float32
+    if lse is not None and (lse.shape != (B, H, n * BLOCK) or lse.dtype != f32 or lse.device != q.device
+                            or not lse.is_contiguous()):
+        raise ValueError(f"triton backend: argument 'lse' received shape {tuple(lse.shape)}, dtype {lse.dtype}, "
+                         f"device {lse.device}; allowed: a contiguous {(B, H, n * BLOCK)} fp32 tensor on {q.device}")
     kv_num = plan.kv_num_blocks.to(torch.int32).contiguous()
     kv_idx = plan.kv_indices.to(torch.int32).contiguous()
     max_blocks = kv_idx.shape[-1]
@@ -177,6 +184,7 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
     kernel.compiled(interpret, jit_kernel)[grid](
         q, k_arg, v_arg, out, gate,
         kv_num, kv_idx, block_len, key_mean, tail_lse, tail_value, coarse, key_bias,
+        key_mean if lse is None else lse,
         *q.stride(), *k.stride(), *v.stride(), *gate.stride(),
         bias_stride_b,
         T, H, n, max_blocks,
@@ -184,6 +192,7 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
         HEAD_DIM=D, BLOCK=BLOCK,
         HAS_TAIL=has_tail, HAS_BIAS=has_bias, HAS_COARSE=has_coarse, KV_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(constexprs or {}),
+        **({"WRITE_LSE": True} if lse is not None else {}),
     )
     return out
 
@@ -206,7 +215,8 @@ def _tma_ok(problem: Problem, interpret: bool) -> bool:
 class TritonBackend(Backend):
     name = "triton"
     description = ("fused Triton kernel walking the plan's kv_indices with an online softmax "
-                   "(tail and coarse branch folded in); forward only")
+                   "(tail and coarse branch folded in); gradients by a fused backward through sol_attn and "
+                   "video_sparse_attn")
     devices = frozenset({"cuda", "xpu", "cpu"})
     dtypes = frozenset({torch.bfloat16, torch.float16})
     head_dims = frozenset({16, 32, 64, 128})
@@ -226,11 +236,14 @@ class TritonBackend(Backend):
             return [_install_hint(device.type, sys.platform)]
         return []
 
-    def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None) -> torch.Tensor:
+    def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None,
+                lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The output; with ``lse`` (see :func:`launch`) also each row's log-sum-exp, which
+        :func:`solattn.backends.triton.backward.fused_backward` needs."""
         if plan is None:
             raise ValueError("triton backend: forward needs the routing plan (solattn.routing.build_plan(problem))")
         with torch.no_grad():
             if problem.device.type == "cuda":
                 with torch.cuda.device(problem.device):
-                    return launch(problem, plan, config)
-            return launch(problem, plan, config)
+                    return launch(problem, plan, config, lse=lse)
+            return launch(problem, plan, config, lse=lse)

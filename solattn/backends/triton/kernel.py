@@ -150,7 +150,7 @@ def write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
 @gpu_jit
 def sol_attn_fwd(
     Q, K, V, Out, Gate,
-    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
+    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
@@ -164,6 +164,7 @@ def sol_attn_fwd(
     HAS_BIAS: tl.constexpr,
     HAS_COARSE: tl.constexpr,
     KV_TMA: tl.constexpr,          # K, V are (B, T, H, D) TMA descriptors (no block_len) instead of pointers
+    WRITE_LSE: tl.constexpr = False,  # also store each row's base-2 log-sum-exp (for the backward)
 ):
     bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
         Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
@@ -194,6 +195,12 @@ def sol_attn_fwd(
 
     write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
                sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
+    if WRITE_LSE:
+        # log2 of the softmax denominator over everything the row saw (exact keys and the tail
+        # key), in the uncentred base-2 units of the loop; -inf for a row whose terms were all -inf.
+        # Layout (B * H, n * BLOCK): row plan_row * BLOCK + r, dead and past-T rows included.
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(Lse + plan_row * BLOCK + rows, lse)
 
 
 # ----------------------------------------------------------------------------- interpreter

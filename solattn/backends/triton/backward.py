@@ -1,0 +1,364 @@
+"""The fused backward of the ``triton`` backend: two kernels that walk the routing plan.
+
+The forward (``kernel.sol_attn_fwd`` with ``WRITE_LSE``) stores each row's base-2 log-sum-exp
+``lse_t`` over everything its softmax covered, in the kernel's own units: uncentred exact logits
+``c q_t . k_u + bias_u log2(e)`` (``c = scale log2(e)``) and the tail key's logit
+``c q_t . m + tail_lse_i log2(e)``. Any probability of the row is then ``exp2(logit - lse_t)``,
+so the backward recomputes the logits of a block pair and never a softmax.
+
+With ``O_t`` the normalised attention output before the coarse term, ``dO_t`` the output's
+gradient and ``delta_t = dO_t . O_t``, a logit's natural-log gradient is ``p (dO_t . value - delta_t)``
+(flash attention's identity; the tail key's value is ``tail_value_i``). The kernels:
+
+- :func:`sol_attn_bwd_dq`, one program per (64-row query block, b*H + h), walks the block's
+  ``kv_indices``: ``delta`` first (from the forward's output less the rounded coarse term,
+  stored for the other kernel), then ``dq``; it also finishes what belongs to the query block:
+  the tail key's gradients (its ``dq`` term ``dlogit_tail scale m`` enters through centred keys:
+  ``dq_t = scale sum_u ds_tu (k_u - m)``, exact because a row's logit gradients sum to zero; and the per-block sums
+  ``dtail_lse_i = sum_t dlogit_tail_t``, ``dtail_value_i = sum_t p_tail_t dO_t``,
+  ``dm_i = sum_t dlogit_tail_t scale q_t``) and the coarse term's (``dgate_t = dO_t coarse_i``,
+  ``dcoarse_i = sum_t gate_t dO_t``).
+- :func:`sol_attn_bwd_dkdv`, one program per (64-key block, b*H + h), walks the transposed
+  lists (the query blocks whose list holds this key block, :meth:`solattn.routing.Plan.query_lists`)
+  and accumulates ``dk``, ``dv`` and, for a float key bias, ``dbias``; no atomics.
+
+The block-level sums are ``(B, H, n, ...)`` tensors: :func:`fused_backward` hands them to the
+caller, which back-propagates them through the plan's differentiable block means, tail and
+coarse terms with torch autograd (``grads_through_plan``). Dead query rows (``block_len``) get
+zero gradients and send none to keys; dead keys get zero gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton.language as tl
+
+from ...validation import BLOCK, Problem
+from .kernel import LOG2E, block_logits, compiled, gpu_jit, query_block
+
+
+def lse_shape(B: int, T: int, H: int) -> Tuple[int, int, int]:
+    """Shape of the forward's log-sum-exp buffer: ``(B, H, n * 64)``, one entry per row of every
+    query block (dead and past-T rows included), fp32, base 2."""
+    return (B, H, -(-T // BLOCK) * BLOCK)
+
+
+@gpu_jit
+def sol_attn_bwd_dq(
+    Q, K, V, Out, DO, Gate, DQ, DGate, Lse, Delta,
+    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
+    DTailLse, DTailValue, DCoarse, DKeyMean,
+    sqb, sqt, sqh, sqd,
+    skb, skt, skh, skd,
+    svb, svt, svh, svd,
+    sdb, sdt, sdh, sdd,
+    sgb, sgt, sgh, sgd,
+    s_bias_b,
+    T, H, n_blocks, max_blocks,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr,
+    EXACT_DELTA: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    plan_row = bh.to(tl.int64) * n_blocks + q_block
+    rows = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    q, tok_q, row_ok = query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T, HEAD_DIM, BLOCK)
+    q_live = row_ok & (rows < tl.load(BlockLen + q_block))
+    tok64 = tok_q.to(tl.int64)
+    # dead rows' outputs are unspecified: their gradient is dropped here, so nothing flows from them
+    do = tl.load(DO + b * sdb + h * sdh + tok64[:, None] * sdt + dims[None, :] * sdd,
+                 mask=q_live[:, None], other=0.0)
+    do32 = do.to(tl.float32)
+    out_off = ((b * T + tok64) * H + h) * HEAD_DIM                     # contiguous (B, T, H, D)
+    if HAS_COARSE:
+        gate = tl.load(Gate + b * sgb + h * sgh + tok64[:, None] * sgt + dims[None, :] * sgd,
+                       mask=q_live[:, None], other=0.0).to(tl.float32)
+        coarse = tl.load(Coarse + plan_row * HEAD_DIM + dims)
+        tl.store(DGate + out_off[:, None] + dims[None, :], (do32 * coarse[None, :]).to(DGate.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(DCoarse + plan_row * HEAD_DIM + dims, tl.sum(gate * do32, 0))
+    # flash attention's delta: from the stored output, less the coarse term as the forward rounded it
+    o = tl.load(Out + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
+    if HAS_COARSE:
+        o = o - (gate * coarse[None, :]).to(Out.dtype.element_ty).to(tl.float32)
+    delta0 = tl.sum(o * do32, 1)
+    lse = tl.load(Lse + plan_row * BLOCK + rows)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)            # no finite term: every p is 0
+
+    dq = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    if EXACT_DELTA:
+        pdp = tl.zeros([BLOCK], dtype=tl.float32)                      # sum_u p_u dp_u
+        pk = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)             # sum_u p_u (k_u - m)
+    key_mean = tl.load(KeyMean + bh.to(tl.int64) * HEAD_DIM + dims)
+    count = tl.load(KvNum + plan_row)
+    idx_row = KvIdx + plan_row * max_blocks
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    bias_row = KeyBias + b * s_bias_b
+    for step in range(0, count):
+        kv_block = tl.load(idx_row + step)
+        tok_k = (kv_block * BLOCK + rows).to(tl.int64)
+        live = rows < tl.load(BlockLen + kv_block)                     # dead rows are never keys
+        k = tl.load(k_base + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
+        v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
+        s = block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS)
+        p = tl.math.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        # dq against centred keys: a row's logit gradients (tail key included) sum to zero, so
+        # sum_u ds_u k_u + ds_tail m = sum_u ds_u (k_u - m). Uncentred, a large common key offset
+        # would make both terms large and the bf16-rounded ds would leave their difference noisy.
+        k_c = (k.to(tl.float32) - key_mean[None, :]).to(k.dtype)
+        ds = p * (dp - delta0[:, None])
+        dq += tl.dot(ds.to(k.dtype), k_c)
+        if EXACT_DELTA:
+            pdp += tl.sum(p * dp, 1)
+            pk += tl.dot(p.to(k.dtype), k_c)
+
+    if HAS_TAIL:
+        q32 = q.to(tl.float32)
+        shift = tl.sum(q32 * key_mean[None, :], 1) * qk_scale
+        tail_lse = tl.load(TailLse + plan_row)
+        tail_value = tl.load(TailValue + plan_row * HEAD_DIM + dims)
+        p_tail = tl.math.exp2(shift + tail_lse * 1.4426950408889634 - lse)   # 0 for an empty tail
+        p_tail = tl.where(q_live, p_tail, 0.0)
+        dp_tail = tl.sum(do32 * tail_value[None, :], 1)
+        if EXACT_DELTA:
+            pdp += p_tail * dp_tail
+    if EXACT_DELTA:
+        # delta = dO . O = sum over every term of p dp, in fp32 (the stored output is rounded to
+        # bf16/fp16); dq was summed with delta0, and the difference is small: correct it once
+        delta = pdp
+        dq = dq - (delta - delta0)[:, None] * pk
+    else:
+        delta = delta0
+    tl.store(Delta + plan_row * BLOCK + rows, delta)
+    dq = dq * scale
+    if HAS_TAIL:
+        dl_tail = p_tail * (dp_tail - delta)                                  # natural-log logit
+        # (its share of dq, dl_tail scale m, is in the centred keys above)
+        tl.store(DTailLse + plan_row, tl.sum(dl_tail, 0))
+        tl.store(DTailValue + plan_row * HEAD_DIM + dims, tl.sum(p_tail[:, None] * do32, 0))
+        tl.store(DKeyMean + plan_row * HEAD_DIM + dims, tl.sum((dl_tail * scale)[:, None] * q32, 0))
+    tl.store(DQ + out_off[:, None] + dims[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+@gpu_jit
+def sol_attn_bwd_dkdv(
+    Q, K, V, DO, DK, DV, DBias, Lse, Delta,
+    QNum, QIdx, BlockLen, KeyBias,
+    sqb, sqt, sqh, sqd,
+    skb, skt, skh, skd,
+    svb, svt, svh, svd,
+    sdb, sdt, sdh, sdd,
+    s_bias_b,
+    T, H, n_blocks, max_q_blocks,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
+):
+    kv_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    plan_row = bh.to(tl.int64) * n_blocks + kv_block
+    rows = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    tok_k = (kv_block * BLOCK + rows).to(tl.int64)
+    live = rows < tl.load(BlockLen + kv_block)
+    k = tl.load(K + b * skb + h * skh + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
+    v = tl.load(V + b * svb + h * svh + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(KeyBias + b * s_bias_b + tok_k, mask=live, other=0.0)
+        bias = tl.where(bias == float("-inf"), bias, tl.minimum(tl.maximum(bias, -1e30), 1e30))
+        bias2 = bias * 1.4426950408889634
+    dk = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    dbias = tl.zeros([BLOCK], dtype=tl.float32)
+    count = tl.load(QNum + plan_row)
+    idx_row = QIdx + plan_row * max_q_blocks
+    q_base = Q + b * sqb + h * sqh
+    do_base = DO + b * sdb + h * sdh
+    for step in range(0, count):
+        q_block = tl.load(idx_row + step)
+        tok_q = (q_block * BLOCK + rows).to(tl.int64)
+        q_live = rows < tl.load(BlockLen + q_block)
+        q = tl.load(q_base + tok_q[:, None] * sqt + dims[None, :] * sqd, mask=q_live[:, None], other=0.0)
+        do = tl.load(do_base + tok_q[:, None] * sdt + dims[None, :] * sdd, mask=q_live[:, None], other=0.0)
+        stat_row = (bh.to(tl.int64) * n_blocks + q_block) * BLOCK + rows
+        lse = tl.load(Lse + stat_row)
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        delta = tl.load(Delta + stat_row)                       # 0 on dead rows (their dO is 0)
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale                 # (keys, queries), base 2
+        if HAS_BIAS:
+            s_t = s_t + bias2[:, None]
+        s_t = tl.where(live[:, None], s_t, float("-inf"))
+        p_t = tl.math.exp2(s_t - lse[None, :])
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+        if BIAS_GRAD:
+            dbias += tl.sum(ds_t, 1)
+    dk = dk * scale
+    out_off = ((b * T + tok_k) * H + h) * HEAD_DIM
+    in_t = tok_k < T
+    tl.store(DK + out_off[:, None] + dims[None, :], dk.to(DK.dtype.element_ty), mask=in_t[:, None])
+    tl.store(DV + out_off[:, None] + dims[None, :], dv.to(DV.dtype.element_ty), mask=in_t[:, None])
+    if BIAS_GRAD:
+        tl.store(DBias + plan_row * BLOCK + rows, dbias)
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Launch parameters of the two backward kernels (warps, pipeline stages)."""
+
+    dq_warps: int = 4
+    dq_stages: int = 2
+    dkdv_warps: int = 4
+    dkdv_stages: int = 2
+    #: delta_t = dO_t . O_t summed in fp32 over the row's terms inside the dq loop (one more
+    #: 64 x 64 x D product per key block, for the dq correction) instead of only from the stored,
+    #: rounded output (flash attention's way: about 2x the gradient error in bf16, worst on key_bias)
+    exact_delta: bool = True
+
+    def __post_init__(self):
+        for field in ("dq_warps", "dkdv_warps"):
+            if getattr(self, field) not in (2, 4, 8):
+                raise ValueError(f"BackwardConfig: argument '{field}' received {getattr(self, field)!r}; "
+                                 f"allowed: 2, 4 or 8")
+        for field in ("dq_stages", "dkdv_stages"):
+            if getattr(self, field) not in (1, 2, 3, 4, 5):
+                raise ValueError(f"BackwardConfig: argument '{field}' received {getattr(self, field)!r}; "
+                                 f"allowed: 1 to 5")
+
+
+DEFAULT_BACKWARD = BackwardConfig()
+
+#: per head dim: at D = 128 each kernel holds two 64 x 128 fp32 accumulators (dq and the delta
+#: correction; dk and dv) next to two 64 x 128 input tiles, which 4 warps cannot keep in
+#: registers; not yet measured (benchmarks/bench_backward.py sweeps the alternatives)
+DEFAULT_BACKWARD_CONFIGS = {128: BackwardConfig(dq_warps=8, dq_stages=2, dkdv_warps=8, dkdv_stages=2)}
+
+
+@dataclass
+class FusedGrads:
+    """What :func:`fused_backward` returns. Token-level gradients in the inputs' dtypes (``dgate``
+    and ``dbias`` only when asked for: ``dbias`` fp32 ``(B, T)`` summed over heads); block-level
+    sums fp32 ``(B, H, n)`` / ``(B, H, n, D)`` / ``(B, H, 1, D)``, ``None`` where the plan has no
+    such term."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dgate: Optional[torch.Tensor]
+    dbias: Optional[torch.Tensor]
+    dtail_lse: Optional[torch.Tensor]
+    dtail_value: Optional[torch.Tensor]
+    dcoarse: Optional[torch.Tensor]
+    dkey_mean: Optional[torch.Tensor]
+
+
+def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                   bias_grad: bool = False, config: Optional[BackwardConfig] = None) -> FusedGrads:
+    """Gradients of one triton forward: ``out`` its ``(B, T, H, D)`` contiguous output, ``lse`` its
+    ``lse_shape`` log-sum-exp, ``grad_out`` the output's gradient (any strides). ``plan`` is the
+    forward's plan (the same selection). Runs under ``torch.no_grad``."""
+    from .backend import _interpreting
+    cfg = config or DEFAULT_BACKWARD_CONFIGS.get(problem.D, DEFAULT_BACKWARD)
+    q, k, v = problem.q, problem.k, problem.v
+    B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
+    dev, f32 = q.device, torch.float32
+    interpret = _interpreting() or dev.type == "cpu"
+    with torch.no_grad():
+        kv_num = plan.kv_num_blocks.to(torch.int32).contiguous()
+        kv_idx = plan.kv_indices.to(torch.int32).contiguous()
+        q_num, q_idx = plan.query_lists()
+        q_num, q_idx = q_num.contiguous(), q_idx.contiguous()
+        block_len = plan.block_len.to(torch.int32).contiguous()
+        key_mean = plan.key_mean.detach().to(f32).contiguous()
+        has_tail = problem.tail and plan.tail_lse is not None
+        has_coarse = problem.coarse_gate is not None
+        has_bias = problem.key_bias is not None
+        bias_grad = bool(bias_grad and has_bias)
+
+        def plan_f32(t):
+            return t.detach().to(f32).contiguous() if t is not None else key_mean
+
+        tail_lse = plan_f32(plan.tail_lse if has_tail else None)
+        tail_value = plan_f32(plan.tail_value if has_tail else None)
+        coarse = plan_f32(plan.coarse if has_coarse else None)
+        gate = problem.coarse_gate if has_coarse else q
+        if has_bias:
+            key_bias = problem.key_bias.to(f32).contiguous()
+            bias_stride_b = key_bias.stride(0) if key_bias.shape[0] > 1 else 0
+        else:
+            key_bias, bias_stride_b = key_mean, 0
+        out = out.contiguous()
+        dout = grad_out
+        if interpret and q.dtype == torch.bfloat16:
+            # the interpreter's tl.dot multiplies bf16 bit patterns as integers (see backend.launch)
+            q, k, v, dout, out = (t.to(f32) for t in (q, k, v, dout, out))
+            gate = gate.to(f32)
+        cdt = q.dtype
+        dq = torch.empty((B, T, H, D), dtype=cdt, device=dev)
+        dk = torch.empty((B, T, H, D), dtype=cdt, device=dev)
+        dv = torch.empty((B, T, H, D), dtype=cdt, device=dev)
+        dgate = torch.empty((B, T, H, D), dtype=gate.dtype, device=dev) if has_coarse else dq
+        delta = torch.empty(lse_shape(B, T, H), dtype=f32, device=dev)
+        dbias = torch.empty(lse_shape(B, T, H), dtype=f32, device=dev) if bias_grad else delta
+        dtl = torch.empty((B, H, n), dtype=f32, device=dev) if has_tail else key_mean
+        dtv = torch.empty((B, H, n, D), dtype=f32, device=dev) if has_tail else key_mean
+        dkm = torch.empty((B, H, n, D), dtype=f32, device=dev) if has_tail else key_mean
+        dco = torch.empty((B, H, n, D), dtype=f32, device=dev) if has_coarse else key_mean
+        qk_scale = problem.scale * LOG2E
+        grid = (n, B * H)
+        kernel_dq = compiled(interpret, sol_attn_bwd_dq)
+        kernel_dkdv = compiled(interpret, sol_attn_bwd_dkdv)
+        kernel_dq[grid](
+            q, k, v, out, dout, gate, dq, dgate, lse, delta,
+            kv_num, kv_idx, block_len, key_mean, tail_lse, tail_value, coarse, key_bias,
+            dtl, dtv, dco, dkm,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *gate.stride(),
+            bias_stride_b, T, H, n, kv_idx.shape[-1], qk_scale, problem.scale,
+            HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=has_tail, HAS_BIAS=has_bias, HAS_COARSE=has_coarse,
+            EXACT_DELTA=cfg.exact_delta, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        )
+        kernel_dkdv[grid](
+            q, k, v, dout, dk, dv, dbias, lse, delta,
+            q_num, q_idx, block_len, key_bias,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
+            bias_stride_b, T, H, n, q_idx.shape[-1], qk_scale, problem.scale,
+            HEAD_DIM=D, BLOCK=BLOCK, HAS_BIAS=has_bias, BIAS_GRAD=bias_grad,
+            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        )
+        dt = problem.q.dtype
+        return FusedGrads(
+            dq=dq.to(dt), dk=dk.to(dt), dv=dv.to(dt),
+            dgate=dgate.to(problem.coarse_gate.dtype) if has_coarse else None,
+            dbias=dbias[..., :T].sum(dim=1) if bias_grad else None,
+            dtail_lse=dtl if has_tail else None, dtail_value=dtv if has_tail else None,
+            dcoarse=dco if has_coarse else None,
+            dkey_mean=dkm.sum(dim=2, keepdim=True) if has_tail else None)
+
+
+def grads_through_plan(plan, grads: FusedGrads, leaves) -> Tuple[Optional[torch.Tensor], ...]:
+    """Back-propagate the block-level sums of ``grads`` through the plan's differentiable terms
+    (tail, coarse, key centroid; built with autograd from the block means of ``leaves`` =
+    ``(q, k, v)``) to ``leaves``; ``(None, None, None)`` when the plan has none of those terms."""
+    outs, gouts = [], []
+    for t, g in ((plan.tail_lse, grads.dtail_lse), (plan.tail_value, grads.dtail_value),
+                 (plan.coarse, grads.dcoarse), (plan.key_mean, grads.dkey_mean)):
+        if t is not None and g is not None and t.requires_grad:
+            outs.append(t)
+            gouts.append(g.to(t.dtype))
+    if not outs:
+        return (None, None, None)
+    return torch.autograd.grad(outs, list(leaves), gouts, allow_unused=True)

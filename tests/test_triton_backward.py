@@ -1,0 +1,212 @@
+"""The ``triton`` backend's fused backward against autograd through the reference backend.
+
+On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` per test; bf16
+inputs reach the interpreter as fp32 copies, see ``backend.launch``); on a CUDA machine the
+same tests also run the compiled kernels. The oracle is the reference backend's autograd on
+fp32 copies of the inputs. A bf16/fp16 backward rounds more than a forward (its ``delta`` is
+formed from the rounded output, as flash attention's is), so the level is the forward's
+tolerance or twice dense SDPA's own low-precision gradient error on the same inputs, whichever
+is larger (the level ``test_backends.py`` holds every backend's gradients to).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    pytest.skip(f"interpreter tests need triton >= 3.9 (found {triton.__version__})", allow_module_level=True)
+
+import solattn  # noqa: E402
+import solattn.backends.triton.backward as bw  # noqa: E402
+from solattn.routing import build_plan  # noqa: E402
+from solattn.testing import live_rows, make_qkv, rel_l2, tolerance  # noqa: E402
+from solattn.validation import validate  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch, request):
+    """CPU cases run the kernels in Triton's interpreter; CUDA cases compile them."""
+    callspec = getattr(request.node, "callspec", None)
+    if (callspec.params.get("device", "cpu") if callspec else "cpu") == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    yield
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts calls of the fused backward, so a test knows the fused path ran (not the recompute)."""
+    calls = []
+    real = bw.fused_backward
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bw, "fused_backward", spy)
+    return calls
+
+
+def _rand(shape, seed, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _dense_gradient_error(q, k, v, w) -> float:
+    """Largest relative L2 error of dense SDPA's q, k, v gradients in q's dtype against fp32, on
+    q's device (on CUDA a flash backward, which rounds as a fused backward does)."""
+    grads = []
+    for dt in (q.dtype, torch.float32):
+        leaves = [x.detach().to(dt).transpose(1, 2).requires_grad_(True) for x in (q, k, v)]
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves).transpose(1, 2)
+        (out.float() * w).sum().backward()
+        grads.append([x.grad for x in leaves])
+    return max(rel_l2(a, b) for a, b in zip(*grads))
+
+
+def _grads(fn, tensors, w, fp32: bool):
+    """Gradients of ``sum(fn(*leaves) * w)`` for every tensor in ``tensors`` (fp32 copies if asked)."""
+    leaves = [t.detach().clone().float() if fp32 and t.is_floating_point() else t.detach().clone()
+              for t in tensors]
+    for t in leaves:
+        t.requires_grad_(True)
+    (fn(*leaves).float() * w).sum().backward()
+    return [t.grad for t in leaves]
+
+
+def _check(fn_fused, fn_ref, tensors, names, w, dtype, fused_calls):
+    got = _grads(fn_fused, tensors, w, fp32=False)
+    assert fused_calls, "the fused backward did not run"
+    want = _grads(fn_ref, tensors, w, fp32=True)
+    level = max(tolerance(dtype), 2 * _dense_gradient_error(*tensors[:3], w))
+    for name, a, b in zip(names, got, want):
+        assert a is not None, f"no gradient for {name}"
+        assert a.dtype == tensors[names.index(name)].dtype and a.shape == b.shape
+        assert torch.isfinite(a).all(), f"non-finite gradient for {name}"
+        err = rel_l2(a, b)
+        assert err < level, f"{name}: relative L2 {err:.3e} >= {level:.3e}"
+        assert b.abs().sum() > 0                          # a zero oracle would make the check empty
+
+
+CASES = {
+    # name: (T, H, D, dtype, sol_attn kwargs (gate / bias / block_len filled in below))
+    "topk-tail-fp16": (200, 2, 32, torch.float16, dict(topk_ratio=0.3)),
+    "topk-notail-gate-bias-bf16": (257, 2, 64, torch.bfloat16, dict(topk_ratio=0.25, tail=False, gate=True,
+                                                                     bias=True)),
+    "tau-tail-deadrows-sinks-bf16": (230, 2, 32, torch.bfloat16, dict(tau=0.5, sink_blocks=[0, 1], sink_q=[3, 4],
+                                                                       block_len=[64, 40, 64, 30], gate=True)),
+    "topk-tail-bias-deadrows-fp16": (300, 2, 32, torch.float16, dict(topk_ratio=0.4, bias=True,
+                                                                      block_len=[64, 64, 17, 64, 44])),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_sol_attn_fused_gradients_match_reference(case, device, fused_calls):
+    T, H, D, dtype, kw = CASES[case]
+    kw = dict(kw)
+    q, k, v = make_qkv(1, T, H, D, dtype=dtype, device=device, seed=len(case))
+    tensors, names = [q, k, v], ["q", "k", "v"]
+    w = _rand((1, T, H, D), 1).to(device)
+    if "block_len" in kw:
+        bl = torch.tensor(kw["block_len"], dtype=torch.int32, device=device)
+        kw["block_len"] = bl
+        w = w * live_rows(T, bl).to(device)[None, :, None, None]   # dead rows' outputs are unspecified
+    if kw.pop("gate", False):
+        tensors.append(_rand((1, T, H, D), 2, dtype).to(device))
+        names.append("coarse_gate")
+    if kw.pop("bias", False):
+        bias = _rand((1, T), 3, torch.float32).to(device)
+        bias[0, 5] = float("-inf")                              # a masked key: its gradient is 0
+        tensors.append(bias)
+        names.append("key_bias")
+
+    def call(backend):
+        def fn(q, k, v, *rest):
+            extra = dict(zip(names[3:], rest))
+            return solattn.sol_attn(q, k, v, backend=backend, **kw, **extra)
+        return fn
+
+    _check(call("triton"), call("reference"), tensors, names, w, dtype, fused_calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_video_sparse_attn_fused_gradients_match_reference(device, fused_calls):
+    """VSA: prefix segments, partial cubes (dead rows in the tiled layout), a tensor gate; the
+    oracle is the same call through sdpa in fp32, whose gradients test_video checks against
+    the definition."""
+    grid, P = (4, 6, 6), 10
+    T, H, D = P + 4 * 6 * 6, 2, 32
+    q, k, v = make_qkv(1, T, H, D, dtype=torch.float16, device=device, seed=7)
+    gate = _rand((1, T, H, D), 2, torch.float16).to(device)
+    w = _rand((1, T, H, D), 1).to(device)
+
+    def call(backend):
+        def fn(q, k, v, gate):
+            return solattn.video_sparse_attn(q, k, v, grid, topk=2, gate=gate, prefix_len=P, backend=backend)
+        return fn
+
+    _check(call("triton"), call("sdpa"), [q, k, v, gate], ["q", "k", "v", "gate"], w, torch.float16, fused_calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_key_bias_has_no_gradient_and_masked_keys_get_none(device, fused_calls):
+    T = 150
+    q, k, v = make_qkv(1, T, 1, 32, dtype=torch.float16, device=device, seed=4)
+    keep = torch.ones(T, dtype=torch.bool, device=device)
+    keep[70:80] = False
+    w = _rand((1, T, 1, 32), 1).to(device)
+
+    def call(backend):
+        # no tail: masked keys still enter the pooled block means, and so the tail's gradient
+        return lambda q, k, v: solattn.sol_attn(q, k, v, topk_ratio=0.5, key_bias=keep, tail=False,
+                                                backend=backend)
+
+    got = _grads(call("triton"), [q, k, v], w, fp32=False)
+    assert fused_calls
+    want = _grads(call("reference"), [q, k, v], w, fp32=True)
+    for a, b in zip(got, want):
+        assert rel_l2(a, b) < max(tolerance(torch.float16), 2 * _dense_gradient_error(q, k, v, w))
+    assert got[1][0, 70:80].abs().max() == 0 and got[2][0, 70:80].abs().max() == 0
+
+
+def test_query_lists_transpose_the_selection():
+    q, k, v = make_qkv(2, 400, 2, 16, seed=9)
+    plan = build_plan(validate(q, k, v, topk_ratio=0.3))
+    q_num, q_idx = plan.query_lists()
+    mask = plan.dense_mask()                                   # (B, H, n_q, n_k)
+    n = plan.n
+    assert q_num.shape == (2, 2, n) and q_num.dtype == torch.int32
+    assert torch.equal(q_num, mask.sum(dim=2, dtype=torch.int32))
+    used = torch.arange(q_idx.shape[-1]) < q_num[..., None]
+    rebuilt = torch.zeros(2, 2, n, n + 1, dtype=torch.bool)
+    rebuilt.scatter_(-1, torch.where(used, q_idx.long(), n), True)
+    assert torch.equal(rebuilt[..., :n], mask.transpose(-1, -2))
+    assert (q_idx[..., 1:][used[..., 1:]] > q_idx[..., :-1][used[..., 1:]]).all()   # ascending
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_lse_is_the_rows_log_sum_exp(device):
+    """The forward's LSE (base 2, uncentred logits, tail key included) equals the log-sum-exp of
+    the definition's logits plus the row's centring shift scale q.m."""
+    from solattn.backends.triton.backend import launch
+    T, H, D = 140, 1, 32
+    q, k, v = make_qkv(1, T, H, D, dtype=torch.float16, device=device, seed=11)
+    problem = validate(q, k, v, topk_ratio=0.5)
+    plan = build_plan(problem)
+    lse = torch.full(bw.lse_shape(1, T, H), float("nan"), device=device)
+    launch(problem, plan, lse=lse)
+    qf, kf = q.float().cpu()[0, :, 0], k.float().cpu()[0, :, 0]
+    m = plan.key_mean.cpu()[0, 0, 0]
+    e = problem.scale * qf @ (kf - m).T                                    # (T, T) centred logits
+    blk = torch.arange(T) // 64
+    exact = plan.dense_mask().cpu()[0, 0][blk][:, blk]
+    e = e.masked_fill(~exact, float("-inf"))
+    tail = plan.tail_lse.cpu()[0, 0][blk]                                  # (T,) pooled term
+    want = torch.logaddexp(torch.logsumexp(e, dim=1), tail) + problem.scale * qf @ m
+    got = lse.cpu()[0, 0, :T] / torch.log2(torch.tensor(torch.e))
+    assert rel_l2(got, want) < 1e-3
