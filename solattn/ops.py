@@ -39,11 +39,18 @@ def _as_list(rng) -> Optional[List[int]]:
     return [int(x) for x in rng]
 
 
+def plan_for(chosen, problem: Problem):
+    """The routing plan ``chosen`` runs ``problem`` from (None for backends without one); the
+    fused plan where the backend accepts it and it applies."""
+    if not chosen.uses_plan:
+        return None
+    return build_plan(problem, fused=getattr(chosen, "fused_plan", False))
+
+
 def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
     """Dispatch and run a validated problem (no custom op, autograd as the backend allows)."""
     chosen = dispatch.choose(problem, backend)
-    plan = build_plan(problem, fused=getattr(chosen, "fused_plan", False)) if chosen.uses_plan else None
-    return chosen.forward(problem, plan)
+    return chosen.forward(problem, plan_for(chosen, problem))
 
 
 def lse_buffer(q: Tensor, want: bool, rows: Optional[int] = None) -> Tensor:
@@ -145,7 +152,7 @@ def _sol_attn_op(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[fl
                        block_len, coarse_gate, token_aug)
     with torch.no_grad():  # the forward never records autograd
         chosen = dispatch.choose(problem, backend or None)
-        plan = build_plan(problem) if chosen.uses_plan else None
+        plan = plan_for(chosen, problem)
         lse = lse_buffer(q, want_lse)
         out, fused = run_for_backward(chosen, problem, plan, lse)
         return out, lse, fused

@@ -77,8 +77,9 @@ LEGEND = [
     ("routing", "top-k R: the fraction R of key blocks kept by score; tau X: the threshold rule at X sigmas"),
     ("time ms", "median time per call over the timed rounds; a sparse row is the whole sol_attn call, "
                 "routing plan included"),
-    ("plan ms", "the routing plan alone (build_plan), part of time ms (n/a for comfy-kitchen, which "
-                "routes inside its own call)"),
+    ("plan ms", "the routing plan alone (the one this backend runs from: the fused Triton plan where "
+                "triton takes it, else build_plan's torch path), part of time ms (n/a for comfy-kitchen, "
+                "which routes inside its own call)"),
     ("vs dense", "speed-up: dense time / this row's time, median over rounds (each round runs dense, "
                  "then every backend, once)"),
     ("peak MiB", "extra memory one call needed beyond what was held before it, output included; "

@@ -67,12 +67,20 @@ def fused_plan_bytes(problem: Problem) -> int:
     return G * n * n * per
 
 
+#: Largest routing-score count ``B H n^2`` for which a CUDA call takes the fused plan. Its
+#: fp32 (IEEE) block-level products grow as ``B H n^2 D`` while the torch plan is launch-bound
+#: at small sizes: on an H200 the fused plan took 0.17-0.30 ms against 1.0-1.5 ms at the seed
+#: shape (131k scores) and 3.3 ms against 2.7 ms at H3 (19M scores).
+FUSED_MAX_SCORES = 4 << 20
+
+
 def fused_plan_usable(problem: Problem) -> bool:
     """Whether :func:`fused_plan` can build ``problem``'s plan: a CUDA device (or the CPU under
     ``TRITON_INTERPRET=1``, for tests), Triton importable, no autograd graph to record (the
     tail and coarse terms are differentiable on the torch path only), a power-of-two head dim
-    in 16..256, at most :data:`MAX_FUSED_BLOCKS` blocks, and the width-n ``kv_indices`` (plus
-    the top-k scratch) within the ``sdpa`` memory budget."""
+    in 16..256, at most :data:`MAX_FUSED_BLOCKS` blocks, the width-n ``kv_indices`` (plus
+    the top-k scratch) within the ``sdpa`` memory budget, and on CUDA at most
+    :data:`FUSED_MAX_SCORES` routing scores (where it is the faster plan)."""
     dev = problem.device.type
     if not (dev == "cuda" or (dev == "cpu" and _interpreting())):
         return False
@@ -80,6 +88,8 @@ def fused_plan_usable(problem: Problem) -> bool:
         return False
     D = problem.D
     if D < 16 or D > 256 or D & (D - 1):
+        return False
+    if dev == "cuda" and problem.B * problem.H * problem.n * problem.n > FUSED_MAX_SCORES:
         return False
     return problem.n <= MAX_FUSED_BLOCKS and fused_plan_bytes(problem) <= current_budget("sdpa")
 
