@@ -207,7 +207,7 @@ def resolve(args: argparse.Namespace) -> Config:
     order = [n for n in dispatch.priority(device.type) if n in registered]
     order += [n for n in registered if n not in order]
     with_dense = True
-    peers = list(PEERS)
+    peers = list(PEERS) if device.type == "cuda" else []   # the peers' kernels are CUDA-only today
     if args.backends:
         wanted = [b.lower() for b in args.backends]
         unknown = [b for b in wanted if b != DENSE and b not in registered and b not in PEERS]
@@ -217,7 +217,7 @@ def resolve(args: argparse.Namespace) -> Config:
                              + " (the reference is the error basis, never timed)")
         with_dense = DENSE in wanted
         order = [n for n in order if n in wanted]
-        peers = [n for n in peers if n in wanted]
+        peers = [n for n in PEERS if n in wanted]          # named: run, or say why not
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else (3 if on_cpu else 20))
     warmup = args.warmup if args.warmup is not None else (1 if on_cpu or args.quick else 3)
     for option, value in (("--repeats", repeats), ("--warmup", warmup)):
