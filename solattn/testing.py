@@ -30,7 +30,8 @@ from . import dispatch
 from .validation import BLOCK
 
 __all__ = ["TOLERANCE", "tolerance", "rel_l2", "assert_close", "device_types", "block_structured_qkv",
-           "make_qkv", "dense_attention", "live_rows", "triton_interpretable", "interpreter",
+           "make_qkv", "dense_attention", "dense_gradient_error", "live_rows", "assert_selection_clear",
+           "triton_interpretable", "interpreter",
            "BackendCase", "backend_cases", "ORACLE"]
 
 #: the backend every other backend is compared with (SPEC's definition in plain torch ops)
@@ -113,6 +114,40 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Op
     o = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2), scale=scale)
     return o.transpose(1, 2)
+
+
+def dense_gradient_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> float:
+    """Largest relative L2 error of dense SDPA's q, k, v gradients in q's dtype against fp32, on
+    q's device, for the loss ``sum(out * w)`` (on CUDA a flash backward, which rounds as a fused
+    backward does): the level a low-precision backward of the sparse operator is held to."""
+    grads = []
+    for dt in (q.dtype, torch.float32):
+        leaves = [x.detach().to(dt).transpose(1, 2).requires_grad_(True) for x in (q, k, v)]
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves).transpose(1, 2)
+        (out.float() * w).sum().backward()
+        grads.append([x.grad for x in leaves])
+    return max(rel_l2(a, b) for a, b in zip(*grads))
+
+
+def assert_selection_clear(problem, margin: float) -> None:
+    """Fail unless no routing score of ``problem`` (a validated Problem) lies within ``margin`` of
+    its threshold, so that rounding cannot flip a block: for tests that compare two paths'
+    selections exactly."""
+    from .routing import block_stats, sink_mask, topk_count
+    stats = block_stats(problem)
+    c = problem.scale * math.log2(math.e)
+    kmc = stats.km - stats.m
+    R = c * (stats.qm @ kmc.transpose(-1, -2))
+    if problem.topk_ratio == 0.0:
+        var = kmc.pow(2).mean(dim=2)
+        thr = problem.tau * torch.sqrt(c * c * (stats.qm.pow(2) * var[:, :, None, :]).sum(-1) + 1e-6)
+        gap = (R - thr[..., None]).abs().min().item()
+    else:
+        sinks = sink_mask(problem.sink_blocks, problem.n, R.device)
+        kk = topk_count(problem.topk_ratio, problem.n - int(sinks.sum()))
+        s = R[..., ~sinks].sort(dim=-1, descending=True).values
+        gap = (s[..., kk - 1] - s[..., kk]).min().item() if 0 < kk < s.shape[-1] else 1.0
+    assert gap > margin, f"test input has an ambiguous selection (gap {gap:.2e}); pick another seed"
 
 
 def live_rows(T: int, block_len: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ import solattn
 from solattn import BLOCK, dispatch
 from solattn.routing import build_plan
 from solattn.testing import TOLERANCE as TOL
-from solattn.testing import BackendCase, backend_cases, dense_attention, make_qkv, rel_l2, tolerance
+from solattn.testing import (BackendCase, backend_cases, dense_attention, dense_gradient_error, make_qkv,
+                             rel_l2, tolerance)
 from solattn.testing import live_rows as _live_rows
 from solattn.validation import validate
 
@@ -134,20 +135,11 @@ def test_gradients_match_reference(case):
     # its fp32 ones on the same inputs, set the level a sparse backward has to stay within.
     level = tolerance(dtype)
     if dtype != torch.float32:
-        level = max(level, 2 * _dense_gradient_error(q, k, v, w))
+        level = max(level, 2 * dense_gradient_error(q, k, v, w))
     for x, a, b in zip("qkv", grads["mine"], grads["reference"]):
         assert a is not None and rel_l2(a, b) < max(level, 1e-4), (x, rel_l2(a, b), level)
 
 
-def _dense_gradient_error(q, k, v, w) -> float:
-    """Largest relative L2 error of dense SDPA's q, k, v gradients in q's dtype against fp32."""
-    grads = []
-    for dt in (q.dtype, torch.float32):
-        leaves = [x.detach().to(dt).transpose(1, 2).requires_grad_(True) for x in (q, k, v)]
-        out = torch.nn.functional.scaled_dot_product_attention(*leaves).transpose(1, 2)
-        (out.float() * w).sum().backward()
-        grads.append([x.grad for x in leaves])
-    return max(rel_l2(a, b) for a, b in zip(*grads))
 
 
 @pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))

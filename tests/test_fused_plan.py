@@ -9,8 +9,6 @@ they are compared with fp32 tolerances. Shapes are tiny (T <= 600, H <= 2).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -20,8 +18,8 @@ if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
 
 import solattn  # noqa: E402
 from solattn.backends.triton import TritonBackend  # noqa: E402
-from solattn.routing import block_stats, build_plan, fused, sink_mask, topk_count  # noqa: E402
-from solattn.testing import make_qkv  # noqa: E402
+from solattn.routing import build_plan, fused  # noqa: E402
+from solattn.testing import assert_selection_clear, make_qkv  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
 
@@ -31,28 +29,12 @@ def _interpret(monkeypatch):
     yield
 
 
-def _assert_clear(problem, margin=1e-4):
-    """No routing score within ``margin`` of its threshold (rounding cannot flip a block)."""
-    stats = block_stats(problem)
-    c = problem.scale * math.log2(math.e)
-    kmc = stats.km - stats.m
-    R = c * (stats.qm @ kmc.transpose(-1, -2))
-    if problem.topk_ratio == 0.0:
-        var = kmc.pow(2).mean(dim=2)
-        thr = problem.tau * torch.sqrt(c * c * (stats.qm.pow(2) * var[:, :, None, :]).sum(-1) + 1e-6)
-        gap = (R - thr[..., None]).abs().min().item()
-    else:
-        sinks = sink_mask(problem.sink_blocks, problem.n, R.device)
-        kk = topk_count(problem.topk_ratio, problem.n - int(sinks.sum()))
-        s = R[..., ~sinks].sort(dim=-1, descending=True).values
-        gap = (s[..., kk - 1] - s[..., kk]).min().item() if 0 < kk < s.shape[-1] else 1.0
-    assert gap > margin, f"test input has an ambiguous selection (gap {gap:.2e}); pick another seed"
 
 
 def _compare(problem, clear=True):
     """Fused plan == torch plan: identical selection, pooled terms within fp32 rounding."""
     if clear:
-        _assert_clear(problem)
+        assert_selection_clear(problem, margin=1e-4)
     assert fused.fused_plan_usable(problem)
     want = build_plan(problem)
     got = fused.fused_plan(problem)
@@ -134,7 +116,7 @@ def test_sol_attn_triton_uses_fused_plan_and_matches_torch_plan(monkeypatch):
     monkeypatch.setattr(fused, "fused_plan", spy)
     for kw in (dict(topk_ratio=0.3, sink_blocks=(0, 1)), dict(tau=0.5, coarse_gate=gate)):
         problem = validate(q, k, v, tail=True, **kw)
-        _assert_clear(problem)
+        assert_selection_clear(problem, margin=1e-4)
         got = solattn.sol_attn(q, k, v, tail=True, backend="triton", **kw)
         want = TritonBackend().forward(problem, build_plan(problem))
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2 ** -7)

@@ -29,8 +29,7 @@ from solattn.routing import build_plan  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 from solattn.backends.reference import reference_forward  # noqa: E402
 from solattn.backends.triton import KernelConfig, TritonBackend, launch  # noqa: E402
-from solattn.routing import block_stats, sink_mask, topk_count  # noqa: E402
-from solattn.testing import make_qkv, rel_l2, tolerance  # noqa: E402
+from solattn.testing import assert_selection_clear, make_qkv, rel_l2, tolerance  # noqa: E402
 
 BACKEND = TritonBackend()
 TOL = tolerance(torch.bfloat16)  # the kernel takes bf16 and fp16 only; both have the same tolerance
@@ -48,27 +47,11 @@ def _rand(shape, dtype, seed):
     return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
 
 
-def _assert_selection_clear(problem, margin=1e-6):
-    """No routing score within ``margin`` of its threshold (so rounding cannot flip a block)."""
-    stats = block_stats(problem)
-    c = problem.scale * math.log2(math.e)
-    kmc = stats.km - stats.m
-    R = c * (stats.qm @ kmc.transpose(-1, -2))
-    if problem.topk_ratio == 0.0:
-        var = kmc.pow(2).mean(dim=2)
-        thr = problem.tau * torch.sqrt(c * c * (stats.qm.pow(2) * var[:, :, None, :]).sum(-1) + 1e-6)
-        gap = (R - thr[..., None]).abs().min().item()
-    else:
-        sinks = sink_mask(problem.sink_blocks, problem.n, R.device)
-        kk = topk_count(problem.topk_ratio, problem.n - int(sinks.sum()))
-        s = R[..., ~sinks].sort(dim=-1, descending=True).values
-        gap = (s[..., kk - 1] - s[..., kk]).min().item() if 0 < kk < s.shape[-1] else 1.0
-    assert gap > margin, f"test input has an ambiguous selection (gap {gap:.2e}); pick another seed"
 
 
 def _check(problem, tol=TOL, config=None):
     """Triton vs reference on ``problem``, with a poisoned output buffer."""
-    _assert_selection_clear(problem)
+    assert_selection_clear(problem, margin=1e-6)
     plan = build_plan(problem)
     out = torch.full(problem.q.shape, float("nan"), dtype=problem.v.dtype)
     got = launch(problem, plan, config=config, out=out)

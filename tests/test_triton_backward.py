@@ -21,7 +21,7 @@ INTERPRETER_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3,
 import solattn  # noqa: E402
 import solattn.backends.triton.backward as bw  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
-from solattn.testing import live_rows, make_qkv, rel_l2, tolerance  # noqa: E402
+from solattn.testing import dense_gradient_error, live_rows, make_qkv, rel_l2, tolerance  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
 DEVICES = (["cpu"] if INTERPRETER_OK else []) + (["cuda"] if torch.cuda.is_available() else [])
@@ -59,16 +59,6 @@ def _rand(shape, seed, dtype=torch.float32):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _dense_gradient_error(q, k, v, w) -> float:
-    """Largest relative L2 error of dense SDPA's q, k, v gradients in q's dtype against fp32, on
-    q's device (on CUDA a flash backward, which rounds as a fused backward does)."""
-    grads = []
-    for dt in (q.dtype, torch.float32):
-        leaves = [x.detach().to(dt).transpose(1, 2).requires_grad_(True) for x in (q, k, v)]
-        out = torch.nn.functional.scaled_dot_product_attention(*leaves).transpose(1, 2)
-        (out.float() * w).sum().backward()
-        grads.append([x.grad for x in leaves])
-    return max(rel_l2(a, b) for a, b in zip(*grads))
 
 
 def _grads(fn, tensors, w, fp32: bool):
@@ -85,7 +75,7 @@ def _check(fn_fused, fn_ref, tensors, names, w, dtype, fused_calls):
     got = _grads(fn_fused, tensors, w, fp32=False)
     assert fused_calls, "the fused backward did not run"
     want = _grads(fn_ref, tensors, w, fp32=True)
-    level = max(tolerance(dtype), 2 * _dense_gradient_error(*tensors[:3], w))
+    level = max(tolerance(dtype), 2 * dense_gradient_error(*tensors[:3], w))
     for name, a, b in zip(names, got, want):
         assert a is not None, f"no gradient for {name}"
         assert a.dtype == tensors[names.index(name)].dtype and a.shape == b.shape
@@ -173,7 +163,7 @@ def test_bool_key_bias_has_no_gradient_and_masked_keys_get_none(device, fused_ca
     assert fused_calls
     want = _grads(call("reference"), [q, k, v], w, fp32=True)
     for a, b in zip(got, want):
-        assert rel_l2(a, b) < max(tolerance(torch.float16), 2 * _dense_gradient_error(q, k, v, w))
+        assert rel_l2(a, b) < max(tolerance(torch.float16), 2 * dense_gradient_error(q, k, v, w))
     assert got[1][0, 70:80].abs().max() == 0 and got[2][0, 70:80].abs().max() == 0
 
 
