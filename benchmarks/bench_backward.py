@@ -14,8 +14,8 @@ table and writes it to ``--out``. Needs a CUDA GPU with Triton; about 3 minutes 
 FLOP model (multiply-adds x 2): dense forward ``4 B H T^2 D``, backward ``2.5x`` that (flash's
 five T x T x D products against two); solattn counts the same per kept (query, key) pair
 (``kept`` = the plan's kept fraction), so "useful TFLOP/s" compares like with like. The fused
-kernels do more than that model: dq recomputes QK^T and dO V^T and adds P (K - m) for the exact
-delta (4 products), dk/dv recomputes both (4 products): 8 against flash's 5.
+kernels do more than that model: dq recomputes QK^T and dO V^T (3 products with dS K; 4 with
+``delta="recompute"``), dk/dv recomputes both (4 products): 7 against flash's 5.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import solattn  # noqa: E402
 from solattn.backends.triton.backend import launch  # noqa: E402
 from solattn.backends.triton.backward import (BackwardConfig, DEFAULT_BACKWARD, DEFAULT_BACKWARD_CONFIGS,  # noqa: E402,E501
-                                              fused_backward, lse_shape)
+                                              DELTA_SOURCES, fused_backward, lse_shape)
 from solattn.bench.timing import log, reset_clock, time_calls  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
 from solattn.testing import make_qkv, rel_l2  # noqa: E402
@@ -106,10 +106,11 @@ def run_case(name, shape, kw, with_gate, dev, repeats):
     problem = validate(q, k, v, coarse_gate=gate, **kw)
     plan = build_plan(problem)
     lse = torch.empty(lse_shape(B, T, H), dtype=torch.float32, device=dev)
-    out = launch(problem, plan, lse=lse)
+    resid = torch.empty_like(q)
+    out = launch(problem, plan, lse=lse, resid=resid)
     row["kept"] = plan.kept_fraction
     row["plan"] = median(time_calls(lambda: build_plan(problem), dev, repeats, warmup=1))
-    row["bwd kernels"] = median(time_calls(lambda: fused_backward(problem, plan, out, lse, w), dev, repeats,
+    row["bwd kernels"] = median(time_calls(lambda: fused_backward(problem, plan, out, lse, resid, w), dev, repeats,
                                            warmup=2))
     log(f"{name}: solattn {row['sol fwd']:.1f} / {row['sol fwd+bwd']:.1f} ms "
         f"(plan {row['plan']:.1f}, kernels {row['bwd kernels']:.1f}), kept {row['kept']:.3f}")
@@ -120,6 +121,12 @@ def run_case(name, shape, kw, with_gate, dev, repeats):
     solattn.sol_attn(*ref_leaves[:3], backend="sdpa", **ref_extra, **kw).backward(w)
     names = "q k v gate".split()[:len(ins)]
     row["grad err"] = ", ".join(f"{n} {rel_l2(a, b.grad):.1e}" for n, a, b in zip(names, fused, ref_leaves))
+    if not kw.get("tail", True) and not with_gate:   # token-level gradients are the whole gradient
+        default = DEFAULT_BACKWARD_CONFIGS.get(D, DEFAULT_BACKWARD)
+        for mode in DELTA_SOURCES:
+            g = fused_backward(problem, plan, out, lse, resid, w, config=replace(default, delta=mode))
+            row[f"grad err, delta {mode}"] = ", ".join(
+                f"{n} {rel_l2(a, b.grad):.1e}" for n, a, b in zip(names, (g.dq, g.dk, g.dv), ref_leaves))
     del ref_leaves
 
     flop_fwd_dense = 4.0 * B * H * T * T * D
@@ -127,12 +134,12 @@ def run_case(name, shape, kw, with_gate, dev, repeats):
     row["useful TFLOP/s fwd+bwd"] = 3.5 * flop_fwd / (row["sol fwd+bwd"] * 1e-3) / 1e12
     row["dense TFLOP/s fwd+bwd"] = 3.5 * flop_fwd_dense / (row["dense fwd+bwd"] * 1e-3) / 1e12
     row["speed-up fwd+bwd"] = row["dense fwd+bwd"] / row["sol fwd+bwd"]
-    return row, (problem, plan, out, lse, w)
+    return row, (problem, plan, out, lse, resid, w)
 
 
 def sweep(state, dev, repeats):
     """Kernel time of every backward launch config on one case (the default first)."""
-    problem, plan, out, lse, w = state
+    problem, plan, out, lse, resid, w = state
     default = DEFAULT_BACKWARD_CONFIGS.get(problem.D, DEFAULT_BACKWARD)
     configs = [default]
     for dqw in (4, 8):
@@ -142,11 +149,11 @@ def sweep(state, dev, repeats):
                     c = BackwardConfig(dqw, dqs, kvw, kvs)
                     if c != default:
                         configs.append(c)
-    configs.append(replace(default, exact_delta=False))
+    configs += [replace(default, delta=d) for d in DELTA_SOURCES if d != default.delta]
     rows = []
     for c in configs:
         try:
-            ms = median(time_calls(lambda: fused_backward(problem, plan, out, lse, w, config=c), dev, repeats,
+            ms = median(time_calls(lambda: fused_backward(problem, plan, out, lse, resid, w, config=c), dev, repeats,
                                    warmup=1))
         except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
             rows.append((c, None, f"{type(err).__name__}: {str(err)[:80]}"))
@@ -202,15 +209,21 @@ def main():
             x = r[c]
             cells.append(f"{x:.3f}" if c == "kept" else f"{x:.2f}" if isinstance(x, float) else str(x))
         lines.append("| " + " | ".join(cells) + " |")
+    modes = [(r["case"], d, r[f"grad err, delta {d}"]) for r in rows for d in DELTA_SOURCES
+             if f"grad err, delta {d}" in r]
+    if modes:
+        lines += ["", "Token-level gradient error (q, k, v; relative L2 against the sdpa backward) by the "
+                  "source of delta (cases without tail or gate):", "", "| case | delta | grad err |", "|---|---|---|"]
+        lines += [f"| {case} | {d} | {e} |" for case, d, e in modes]
     lines += ["", "sol fwd+bwd: `sol_attn(..., backend='triton')` forward (plan + kernel, LSE written) and the "
               "fused backward (plan rebuilt + kernels + block-level autograd); grad err: relative L2 against "
               "`backend='sdpa'` (its backward recomputes through sdpa)."]
     if not args.no_sweep and not args.smoke and first is not None:
         lines += ["", f"## Backward launch configs ({rows[0]['case']}, kernels only; first row: the default)", "",
-                  "| dq warps | dq stages | dk/dv warps | dk/dv stages | exact delta | ms | note |",
+                  "| dq warps | dq stages | dk/dv warps | dk/dv stages | delta | ms | note |",
                   "|---|---|---|---|---|---|---|"]
         for c, ms, note in sweep(first, dev, args.repeats):
-            lines.append(f"| {c.dq_warps} | {c.dq_stages} | {c.dkdv_warps} | {c.dkdv_stages} | {c.exact_delta} | "
+            lines.append(f"| {c.dq_warps} | {c.dq_stages} | {c.dkdv_warps} | {c.dkdv_stages} | {c.delta} | "
                          f"{'' if ms is None else f'{ms:.2f}'} | {note} |")
     text = "\n".join(lines) + "\n"
     print(text)

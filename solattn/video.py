@@ -24,7 +24,7 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend
-from .ops import forward_settings, fused_grads, lse_buffer, recompute_grads, run_for_backward
+from .ops import backward_buffers, forward_settings, fused_grads, plain_eager, recompute_grads, run_for_backward
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
 
@@ -253,9 +253,11 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     _explicit_backend(backend)                      # a backend that cannot serve VSA: refuse now
     want_lse = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, gate))
-    out, _, _ = _vsa_op(q, k, v, list(grid), int(k_vid), gate, None if scale is None else float(scale),
-                        backend or "", list(segments), prefix_mode, want_lse)
-    return out
+    args = (q, k, v, list(grid), int(k_vid), gate, None if scale is None else float(scale),
+            backend or "", list(segments), prefix_mode, want_lse)
+    if not want_lse and plain_eager(q, k, v, gate):
+        return _vsa_op_forward(*args)[0]
+    return _vsa_op(*args)[0]
 
 
 def _tiled_gate(gate, tq: torch.Tensor, layout: _Layout):
@@ -266,10 +268,11 @@ def _tiled_gate(gate, tq: torch.Tensor, layout: _Layout):
 
 
 def _vsa_forward(q, k, v, grid, k_vid: int, gate, scale, backend: Optional[str], segments, mode: str,
-                 lse: Optional[torch.Tensor] = None):
+                 buffers: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
     """The computation behind ``video_sparse_attn`` (validated arguments; ``gate``: None, a 0-dim
-    tensor (a constant gate) or a tensor of q's shape). With ``lse`` (a :func:`lse_buffer` in the
-    tiled layout) returns ``(out, fused)`` as :func:`run_for_backward` does; else the output."""
+    tensor (a constant gate) or a tensor of q's shape). With ``buffers`` (``(lse, resid)`` from
+    :func:`backward_buffers` in the tiled layout) returns ``(out, fused)`` as
+    :func:`run_for_backward` does; else the output."""
     explicit = _explicit_backend(backend)
     layout = _layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
     tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
@@ -277,24 +280,33 @@ def _vsa_forward(q, k, v, grid, k_vid: int, gate, scale, backend: Optional[str],
     problem = validate(tq, tk, tv, scale=scale, tail=False, block_len=layout.block_len, coarse_gate=tg)
     chosen = _plan_backend(problem, explicit)
     plan = build_vsa_plan(problem, k_vid, layout.num_prefix_blocks, mode)
-    if lse is None:
+    if buffers is None:
         return chosen.forward(problem, plan).index_select(1, layout.slots)    # (B, T, H, D), v's dtype
-    out, fused = run_for_backward(chosen, problem, plan, lse)
+    out, fused = run_for_backward(chosen, problem, plan, *buffers)
     return out.index_select(1, layout.slots), fused
 
 
 # ``video_sparse_attn`` is the torch.library custom op ``solattn::video_sparse_attn``: the routing
 # plan has data-dependent sizes, so torch.compile must see one opaque node (fake implementation
 # below). Autograd recomputes the forward through a differentiable backend, as for ``sol_attn``.
+def _vsa_op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: List[int], k_vid: int,
+                    gate: Optional[torch.Tensor], scale: Optional[float], backend: str,
+                    segments: List[int], mode: str, want_lse: bool):
+    """``(out, lse, resid, fused)`` as ``solattn::sol_attn`` returns them; ``lse`` and ``resid`` in
+    the tiled layout."""
+    with torch.no_grad():
+        buffers = backward_buffers(q, v, want_lse, _tiled_rows(grid, segments))
+        out, fused = _vsa_forward(q, k, v, grid, k_vid, gate, scale, backend or None, segments, mode, buffers)
+        return (out, *buffers, fused)
+
+
 @torch.library.custom_op("solattn::video_sparse_attn", mutates_args=())
 def _vsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: List[int], k_vid: int,
             gate: Optional[torch.Tensor], scale: Optional[float], backend: str,
-            segments: List[int], mode: str, want_lse: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, lse, fused)`` as ``solattn::sol_attn`` returns them; ``lse`` in the tiled layout."""
-    with torch.no_grad():
-        lse = lse_buffer(q, want_lse, _tiled_rows(grid, segments))
-        out, fused = _vsa_forward(q, k, v, grid, k_vid, gate, scale, backend or None, segments, mode, lse)
-        return out, lse, fused
+            segments: List[int], mode: str, want_lse: bool
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`_vsa_op_forward`."""
+    return _vsa_op_forward(q, k, v, grid, k_vid, gate, scale, backend, segments, mode, want_lse)
 
 
 def _tiled_rows(grid, segments) -> int:
@@ -305,22 +317,23 @@ def _tiled_rows(grid, segments) -> int:
 @_vsa_op.register_fake
 def _(q, k, v, grid, k_vid, gate, scale, backend, segments, mode, want_lse):
     return (torch.empty(q.shape, dtype=v.dtype, device=v.device),
-            lse_buffer(q, want_lse, _tiled_rows(grid, segments)), torch.empty((), dtype=torch.int32))
+            *backward_buffers(q, v, want_lse, _tiled_rows(grid, segments)), torch.empty((), dtype=torch.int64))
 
 
 def _vsa_setup_context(ctx, inputs, output):
     q, k, v, grid, k_vid, gate, scale, backend, segments, mode, want_lse = inputs
-    out, lse, fused = output
-    ctx.mark_non_differentiable(lse, fused)
-    ctx.save_for_backward(q, k, v, gate, out, lse, fused)
+    out, lse, resid, fused = output
+    ctx.mark_non_differentiable(lse, resid, fused)
+    ctx.save_for_backward(q, k, v, gate, out, lse, resid, fused)
     ctx.args = (grid, k_vid, scale, backend, segments, mode)
     ctx.settings = forward_settings()
 
 
-def _vsa_backward(ctx, grad_out, _grad_lse, _grad_fused):
+def _vsa_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
     grid, k_vid, scale, backend, segments, mode = ctx.args
-    q, k, v, gate, out, lse, fused = ctx.saved_tensors
-    if lse.numel() and bool(fused.item()):                   # the forward ran the triton kernel
+    q, k, v, gate, out, lse, resid, fused = ctx.saved_tensors
+    token = int(fused.item())
+    if lse.numel() and token:                                # the forward ran the triton kernel
         layout = _layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
         tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
         tg = _tiled_gate(gate, tq, layout)
@@ -332,7 +345,8 @@ def _vsa_backward(ctx, grad_out, _grad_lse, _grad_fused):
             return build_vsa_plan(problem, k_vid, layout.num_prefix_blocks, mode)
 
         gq, gk, gv, gg, _ = fused_grads(problem_of, make_plan, (tq, tk, tv), _to_tiled(out, layout), lse,
-                                        _to_tiled(grad_out, layout), bias_grad=False, settings=ctx.settings)
+                                        resid, _to_tiled(grad_out, layout), bias_grad=False, settings=ctx.settings,
+                                        token=token)
         gq, gk, gv = (g.index_select(1, layout.slots) for g in (gq, gk, gv))
         if gg is not None and ctx.needs_input_grad[5]:
             gg = gg.sum() if gate.dim() == 0 else gg.index_select(1, layout.slots)

@@ -98,22 +98,84 @@ def _install_hint(device_type: str, platform: str) -> str:
     return f"triton not installed, and Triton publishes no wheels for {name} (Linux only)"
 
 
-def _plan_tensor(t: Optional[torch.Tensor], dtype: torch.dtype, fallback: torch.Tensor) -> torch.Tensor:
-    """A plan field as a contiguous tensor of ``dtype`` (a dummy pointer when the field is unused)."""
-    if t is None:
-        return fallback
-    return t.detach().to(dtype).contiguous()
+@dataclass(frozen=True)
+class KernelOperands:
+    """What the forward and backward kernels read, prepared once per launch from a problem and
+    its plan: contiguous int32 / fp32 plan tensors (an unused field points at ``key_mean``, a
+    dummy the kernel never reads), the key bias as fp32 with its batch stride (0 when shared),
+    and the flags of the kernels' constexprs. Under the interpreter bf16 ``q``, ``k``, ``v`` and
+    ``gate`` are fp32 copies: its ``tl.dot`` multiplies bf16 bit patterns as integers (fp16 is a
+    real numpy type and works), and interpreter runs are tiny."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gate: torch.Tensor
+    kv_num: torch.Tensor
+    kv_idx: torch.Tensor
+    block_len: torch.Tensor
+    key_mean: torch.Tensor
+    tail_lse: torch.Tensor
+    tail_value: torch.Tensor
+    coarse: torch.Tensor
+    key_bias: torch.Tensor
+    bias_stride_b: int
+    has_tail: bool
+    has_coarse: bool
+    has_bias: bool
+    interpret: bool
+
+
+def kernel_operands(problem: Problem, plan) -> KernelOperands:
+    """The :class:`KernelOperands` of ``problem`` run with ``plan``."""
+    f32 = torch.float32
+    B, H, n, D = problem.B, problem.H, problem.n, problem.D
+    key_mean = plan.key_mean.detach().to(f32).contiguous()
+    has_tail = problem.tail and plan.tail_lse is not None
+    has_coarse = problem.coarse_gate is not None
+    has_bias = problem.key_bias is not None
+
+    def field(t, used):
+        return t.detach().to(f32).contiguous() if used else key_mean
+
+    coarse = field(plan.coarse, has_coarse)
+    if has_coarse and coarse.shape != (B, H, n, D):
+        raise RuntimeError(f"triton backend: plan.coarse has shape {tuple(coarse.shape)}, expected {(B, H, n, D)}")
+    if has_bias:
+        key_bias = problem.key_bias.to(f32).contiguous()
+        bias_stride_b = key_bias.stride(0) if key_bias.shape[0] > 1 else 0
+    else:
+        key_bias, bias_stride_b = key_mean, 0
+    q, k, v = problem.q, problem.k, problem.v
+    gate = problem.coarse_gate if has_coarse else q
+    interpret = _interpreting() or q.device.type == "cpu"
+    if interpret and q.dtype == torch.bfloat16:
+        q, k, v = (t.to(f32) for t in (q, k, v))
+        gate = gate.to(f32)
+    return KernelOperands(
+        q=q, k=k, v=v, gate=gate,
+        kv_num=plan.kv_num_blocks.to(torch.int32).contiguous(),
+        kv_idx=plan.kv_indices.to(torch.int32).contiguous(),
+        block_len=plan.block_len.to(torch.int32).contiguous(),
+        key_mean=key_mean,
+        tail_lse=field(plan.tail_lse, has_tail), tail_value=field(plan.tail_value, has_tail),
+        coarse=coarse, key_bias=key_bias, bias_stride_b=bias_stride_b,
+        has_tail=has_tail, has_coarse=has_coarse, has_bias=has_bias, interpret=interpret)
 
 
 def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
-           out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+           out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+           resid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run the kernel on ``problem`` with the selection in ``plan``; returns ``(B, T, H, D)`` contiguous.
 
     ``config`` defaults to ``DEFAULT_CONFIGS`` for the head dim (pointer loads below
     ``TMA_MIN_PROGRAMS`` programs). ``out``, when given, must be a contiguous ``(B, T, H, D)``
     tensor of v's dtype on q's device; the kernel writes every element of it (tests poison it first).
-    ``lse``, when given, a contiguous fp32 ``(B, H, n * 64)`` tensor, receives every row's base-2
-    log-sum-exp (see :func:`solattn.backends.triton.backward.lse_shape`) for the fused backward.
+    ``lse`` and ``resid``, given together, receive what the fused backward needs: ``lse`` a
+    contiguous fp32 ``(B, H, n * 64)`` tensor, each row's base-2 log-sum-exp (see
+    :func:`solattn.backends.triton.backward.lse_shape`); ``resid`` a tensor like ``out``, the
+    output's rounding residual (output + residual = the unrounded attention output, see
+    ``kernel.write_rows``).
     """
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"triton backend: argument 'config' received {type(config).__name__}; "
@@ -124,73 +186,53 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
         if problem.B * problem.H * problem.n < TMA_MIN_PROGRAMS:
             cfg = replace(cfg, tma=False)
     from . import kernel  # imports triton
-    return run_kernel(kernel.sol_attn_fwd, problem, plan, cfg, out, lse=lse)
+    return run_kernel(kernel.sol_attn_fwd, problem, plan, cfg, out, lse=lse, resid=resid)
+
+
+def _check_buffer(name: str, t: Optional[torch.Tensor], shape, dtype: torch.dtype, device: torch.device):
+    if t is not None and (t.shape != shape or t.dtype != dtype or t.device != device or not t.is_contiguous()):
+        raise ValueError(f"triton backend: argument '{name}' received shape {tuple(t.shape)}, dtype {t.dtype}, "
+                         f"device {t.device}; allowed: a contiguous {tuple(shape)} tensor of {dtype} on {device}")
 
 
 def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
                out: Optional[torch.Tensor] = None, constexprs: Optional[dict] = None,
-               lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+               lse: Optional[torch.Tensor] = None, resid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch ``jit_kernel``, a ``JITFunction`` with the production kernel's signature, on
     ``problem`` and ``plan``. :func:`launch` runs the production kernel through it; benchmark
     experiments (``benchmarks/kernel_variants.py``) run their variants through it too, with the
     variant's own extra ``constexprs`` (name -> value) appended to the launch."""
     from . import kernel  # imports triton
 
-    q, k, v = problem.q, problem.k, problem.v
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
+    v = problem.v
     if out is None:
         out = torch.empty((B, T, H, D), dtype=v.dtype, device=v.device)
-    elif out.shape != (B, T, H, D) or out.dtype != v.dtype or out.device != v.device or not out.is_contiguous():
-        raise ValueError(f"triton backend: argument 'out' received shape {tuple(out.shape)}, dtype {out.dtype}, "
-                         f"device {out.device}; allowed: a contiguous {(B, T, H, D)} tensor of {v.dtype} on {v.device}")
-
-    f32 = torch.float32
-    if lse is not None and (lse.shape != (B, H, n * BLOCK) or lse.dtype != f32 or lse.device != q.device
-                            or not lse.is_contiguous()):
-        raise ValueError(f"triton backend: argument 'lse' received shape {tuple(lse.shape)}, dtype {lse.dtype}, "
-                         f"device {lse.device}; allowed: a contiguous {(B, H, n * BLOCK)} fp32 tensor on {q.device}")
-    kv_num = plan.kv_num_blocks.to(torch.int32).contiguous()
-    kv_idx = plan.kv_indices.to(torch.int32).contiguous()
-    max_blocks = kv_idx.shape[-1]
-    block_len = plan.block_len.to(torch.int32).contiguous()
-    key_mean = plan.key_mean.detach().to(f32).contiguous()
-    has_tail = problem.tail and plan.tail_lse is not None
-    has_coarse = problem.coarse_gate is not None
-    has_bias = problem.key_bias is not None
-    tail_lse = _plan_tensor(plan.tail_lse if has_tail else None, f32, key_mean)
-    tail_value = _plan_tensor(plan.tail_value if has_tail else None, f32, key_mean)
-    coarse = _plan_tensor(plan.coarse if has_coarse else None, f32, key_mean)
-    if has_coarse and coarse.shape != (B, H, n, D):
-        raise RuntimeError(f"triton backend: plan.coarse has shape {tuple(coarse.shape)}, expected {(B, H, n, D)}")
-    gate = problem.coarse_gate if has_coarse else q
-    if has_bias:
-        key_bias = problem.key_bias.to(f32).contiguous()
-        bias_stride_b = key_bias.stride(0) if key_bias.shape[0] > 1 else 0
-    else:
-        key_bias, bias_stride_b = key_mean, 0
-
-    interpret = _interpreting() or q.device.type == "cpu"
-    use_tma = cfg.tma and _tma_ok(problem, interpret)
-    if interpret and q.dtype == torch.bfloat16:
-        # The interpreter stores bf16 as raw uint16 bit patterns and its tl.dot multiplies those
-        # as integers (fp16 is a real numpy type and works). Feeding it fp32 copies runs the same
-        # kernel source with exact products; the output keeps v's dtype. Interpreter runs are tiny.
-        q, k, v = (t.to(f32) for t in (q, k, v))
-    k_arg, v_arg = k, v
+    _check_buffer("out", out, (B, T, H, D), v.dtype, v.device)
+    if (lse is None) != (resid is None):
+        raise ValueError("triton backend: arguments 'lse' and 'resid' received "
+                         f"{'a tensor' if lse is not None else 'None'} and {'a tensor' if resid is not None else 'None'}; "
+                         "allowed: both tensors (the backward's buffers) or both None")
+    _check_buffer("lse", lse, (B, H, n * BLOCK), torch.float32, v.device)
+    _check_buffer("resid", resid, (B, T, H, D), v.dtype, v.device)
+    ops = kernel_operands(problem, plan)
+    use_tma = cfg.tma and _tma_ok(problem, ops.interpret)
+    q, k_arg, v_arg = ops.q, ops.k, ops.v
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D]) for t in (k, v))
+        k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D])
+                        for t in (ops.k, ops.v))
     grid = (n, B * H)
-    kernel.compiled(interpret, jit_kernel)[grid](
-        q, k_arg, v_arg, out, gate,
-        kv_num, kv_idx, block_len, key_mean, tail_lse, tail_value, coarse, key_bias,
-        key_mean if lse is None else lse,
-        *q.stride(), *k.stride(), *v.stride(), *gate.stride(),
-        bias_stride_b,
-        T, H, n, max_blocks,
+    kernel.compiled(ops.interpret, jit_kernel)[grid](
+        q, k_arg, v_arg, out, ops.gate,
+        ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
+        ops.key_bias, ops.key_mean if lse is None else lse, out if resid is None else resid,
+        *q.stride(), *ops.k.stride(), *ops.v.stride(), *ops.gate.stride(),
+        ops.bias_stride_b,
+        T, H, n, ops.kv_idx.shape[-1],
         problem.scale * kernel.LOG2E,
         HEAD_DIM=D, BLOCK=BLOCK,
-        HAS_TAIL=has_tail, HAS_BIAS=has_bias, HAS_COARSE=has_coarse, KV_TMA=use_tma,
+        HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse, KV_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(constexprs or {}),
         **({"WRITE_LSE": True} if lse is not None else {}),
     )
@@ -237,13 +279,13 @@ class TritonBackend(Backend):
         return []
 
     def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None,
-                lse: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The output; with ``lse`` (see :func:`launch`) also each row's log-sum-exp, which
+                lse: Optional[torch.Tensor] = None, resid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The output; with ``lse`` and ``resid`` (see :func:`launch`) also what
         :func:`solattn.backends.triton.backward.fused_backward` needs."""
         if plan is None:
             raise ValueError("triton backend: forward needs the routing plan (solattn.routing.build_plan(problem))")
         with torch.no_grad():
             if problem.device.type == "cuda":
                 with torch.cuda.device(problem.device):
-                    return launch(problem, plan, config, lse=lse)
-            return launch(problem, plan, config, lse=lse)
+                    return launch(problem, plan, config, lse=lse, resid=resid)
+            return launch(problem, plan, config, lse=lse, resid=resid)

@@ -11,8 +11,8 @@ gradient and ``delta_t = dO_t . O_t``, a logit's natural-log gradient is ``p (dO
 (flash attention's identity; the tail key's value is ``tail_value_i``). The kernels:
 
 - :func:`sol_attn_bwd_dq`, one program per (64-row query block, b*H + h), walks the block's
-  ``kv_indices``: ``delta`` first (from the forward's output less the rounded coarse term,
-  stored for the other kernel), then ``dq``; it also finishes what belongs to the query block:
+  ``kv_indices``: ``delta`` first (from the forward's output less the rounded coarse term plus
+  the forward's rounding residual, stored for the other kernel), then ``dq``; it also finishes what belongs to the query block:
   the tail key's gradients (its ``dq`` term ``dlogit_tail scale m`` enters through centred keys:
   ``dq_t = scale sum_u ds_tu (k_u - m)``, exact because a row's logit gradients sum to zero; and the per-block sums
   ``dtail_lse_i = sum_t dlogit_tail_t``, ``dtail_value_i = sum_t p_tail_t dO_t``,
@@ -48,7 +48,7 @@ def lse_shape(B: int, T: int, H: int) -> Tuple[int, int, int]:
 
 @gpu_jit
 def sol_attn_bwd_dq(
-    Q, K, V, Out, DO, Gate, DQ, DGate, Lse, Delta,
+    Q, K, V, Out, Resid, DO, Gate, DQ, DGate, Lse, Delta,
     KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
     DTailLse, DTailValue, DCoarse, DKeyMean,
     sqb, sqt, sqh, sqd,
@@ -61,7 +61,7 @@ def sol_attn_bwd_dq(
     qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr,
-    EXACT_DELTA: tl.constexpr,
+    RECOMPUTE_DELTA: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -85,16 +85,18 @@ def sol_attn_bwd_dq(
         tl.store(DGate + out_off[:, None] + dims[None, :], (do32 * coarse[None, :]).to(DGate.dtype.element_ty),
                  mask=row_ok[:, None])
         tl.store(DCoarse + plan_row * HEAD_DIM + dims, tl.sum(gate * do32, 0))
-    # flash attention's delta: from the stored output, less the coarse term as the forward rounded it
+    # flash attention's delta, dO . O, with O the unrounded attention output: the stored output,
+    # less the coarse term as the forward rounded it, plus the forward's rounding residual
     o = tl.load(Out + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
     if HAS_COARSE:
         o = o - (gate * coarse[None, :]).to(Out.dtype.element_ty).to(tl.float32)
+    o += tl.load(Resid + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
     delta0 = tl.sum(o * do32, 1)
     lse = tl.load(Lse + plan_row * BLOCK + rows)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)            # no finite term: every p is 0
 
     dq = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
-    if EXACT_DELTA:
+    if RECOMPUTE_DELTA:
         pdp = tl.zeros([BLOCK], dtype=tl.float32)                      # sum_u p_u dp_u
         pk = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)             # sum_u p_u (k_u - m)
     key_mean = tl.load(KeyMean + bh.to(tl.int64) * HEAD_DIM + dims)
@@ -118,7 +120,7 @@ def sol_attn_bwd_dq(
         k_c = (k.to(tl.float32) - key_mean[None, :]).to(k.dtype)
         ds = p * (dp - delta0[:, None])
         dq += tl.dot(ds.to(k.dtype), k_c)
-        if EXACT_DELTA:
+        if RECOMPUTE_DELTA:
             pdp += tl.sum(p * dp, 1)
             pk += tl.dot(p.to(k.dtype), k_c)
 
@@ -130,11 +132,11 @@ def sol_attn_bwd_dq(
         p_tail = tl.math.exp2(shift + tail_lse * 1.4426950408889634 - lse)   # 0 for an empty tail
         p_tail = tl.where(q_live, p_tail, 0.0)
         dp_tail = tl.sum(do32 * tail_value[None, :], 1)
-        if EXACT_DELTA:
+        if RECOMPUTE_DELTA:
             pdp += p_tail * dp_tail
-    if EXACT_DELTA:
-        # delta = dO . O = sum over every term of p dp, in fp32 (the stored output is rounded to
-        # bf16/fp16); dq was summed with delta0, and the difference is small: correct it once
+    if RECOMPUTE_DELTA:
+        # delta = dO . O = sum over every term of p dp with this kernel's own p, in fp32; dq was
+        # summed with delta0, and the difference is small: correct it once
         delta = pdp
         dq = dq - (delta - delta0)[:, None] * pk
     else:
@@ -216,6 +218,9 @@ def sol_attn_bwd_dkdv(
         tl.store(DBias + plan_row * BLOCK + rows, dbias)
 
 
+DELTA_SOURCES = ("saved", "recompute")
+
+
 @dataclass(frozen=True)
 class BackwardConfig:
     """Launch parameters of the two backward kernels (warps, pipeline stages)."""
@@ -224,10 +229,11 @@ class BackwardConfig:
     dq_stages: int = 2
     dkdv_warps: int = 4
     dkdv_stages: int = 2
-    #: delta_t = dO_t . O_t summed in fp32 over the row's terms inside the dq loop (one more
-    #: 64 x 64 x D product per key block, for the dq correction) instead of only from the stored,
-    #: rounded output (flash attention's way: about 2x the gradient error in bf16, worst on key_bias)
-    exact_delta: bool = True
+    #: where delta_t = dO_t . O_t comes from: ``"saved"``, the forward's output plus its saved
+    #: rounding residual (O to about 2^-16); ``"recompute"``, summed in fp32 inside the dq loop
+    #: from the backward's own probabilities (one more 64 x 64 x D product per key block pair;
+    #: H200 at H3 top-k 10 %: 44.2 ms of kernels against 34.2 ms)
+    delta: str = "saved"
 
     def __post_init__(self):
         for field in ("dq_warps", "dkdv_warps"):
@@ -238,6 +244,9 @@ class BackwardConfig:
             if getattr(self, field) not in (1, 2, 3, 4, 5):
                 raise ValueError(f"BackwardConfig: argument '{field}' received {getattr(self, field)!r}; "
                                  f"allowed: 1 to 5")
+        if self.delta not in DELTA_SOURCES:
+            raise ValueError(f"BackwardConfig: argument 'delta' received {self.delta!r}; "
+                             f"allowed: {', '.join(map(repr, DELTA_SOURCES))}")
 
 
 DEFAULT_BACKWARD = BackwardConfig()
@@ -265,87 +274,67 @@ class FusedGrads:
     dkey_mean: Optional[torch.Tensor]
 
 
-def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
-                   bias_grad: bool = False, config: Optional[BackwardConfig] = None) -> FusedGrads:
-    """Gradients of one triton forward: ``out`` its ``(B, T, H, D)`` contiguous output, ``lse`` its
-    ``lse_shape`` log-sum-exp, ``grad_out`` the output's gradient (any strides). ``plan`` is the
-    forward's plan (the same selection). Runs under ``torch.no_grad``."""
-    from .backend import _interpreting
+def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor, resid: torch.Tensor,
+                   grad_out: torch.Tensor, bias_grad: bool = False,
+                   config: Optional[BackwardConfig] = None) -> FusedGrads:
+    """Gradients of one triton forward: ``out`` its ``(B, T, H, D)`` contiguous output, ``lse`` and
+    ``resid`` what it wrote for the backward (:func:`solattn.backends.triton.backend.launch`),
+    ``grad_out`` the output's gradient (any strides). ``plan`` is the forward's plan (the same
+    selection). Runs under ``torch.no_grad``."""
+    from .backend import kernel_operands
     cfg = config or DEFAULT_BACKWARD_CONFIGS.get(problem.D, DEFAULT_BACKWARD)
-    q, k, v = problem.q, problem.k, problem.v
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
-    dev, f32 = q.device, torch.float32
-    interpret = _interpreting() or dev.type == "cpu"
+    dev, f32 = problem.device, torch.float32
     with torch.no_grad():
-        kv_num = plan.kv_num_blocks.to(torch.int32).contiguous()
-        kv_idx = plan.kv_indices.to(torch.int32).contiguous()
+        ops = kernel_operands(problem, plan)
+        q, k, v, gate = ops.q, ops.k, ops.v, ops.gate
         q_num, q_idx = plan.query_lists()
         q_num, q_idx = q_num.contiguous(), q_idx.contiguous()
-        block_len = plan.block_len.to(torch.int32).contiguous()
-        key_mean = plan.key_mean.detach().to(f32).contiguous()
-        has_tail = problem.tail and plan.tail_lse is not None
-        has_coarse = problem.coarse_gate is not None
-        has_bias = problem.key_bias is not None
-        bias_grad = bool(bias_grad and has_bias)
-
-        def plan_f32(t):
-            return t.detach().to(f32).contiguous() if t is not None else key_mean
-
-        tail_lse = plan_f32(plan.tail_lse if has_tail else None)
-        tail_value = plan_f32(plan.tail_value if has_tail else None)
-        coarse = plan_f32(plan.coarse if has_coarse else None)
-        gate = problem.coarse_gate if has_coarse else q
-        if has_bias:
-            key_bias = problem.key_bias.to(f32).contiguous()
-            bias_stride_b = key_bias.stride(0) if key_bias.shape[0] > 1 else 0
-        else:
-            key_bias, bias_stride_b = key_mean, 0
-        out = out.contiguous()
-        dout = grad_out
-        if interpret and q.dtype == torch.bfloat16:
-            # the interpreter's tl.dot multiplies bf16 bit patterns as integers (see backend.launch)
-            q, k, v, dout, out = (t.to(f32) for t in (q, k, v, dout, out))
-            gate = gate.to(f32)
+        bias_grad = bool(bias_grad and ops.has_bias)
+        out, resid, dout = out.contiguous(), resid.contiguous(), grad_out
+        if ops.interpret and problem.q.dtype == torch.bfloat16:
+            dout, out, resid = (t.to(f32) for t in (dout, out, resid))   # as kernel_operands does
         cdt = q.dtype
         dq = torch.empty((B, T, H, D), dtype=cdt, device=dev)
         dk = torch.empty((B, T, H, D), dtype=cdt, device=dev)
         dv = torch.empty((B, T, H, D), dtype=cdt, device=dev)
-        dgate = torch.empty((B, T, H, D), dtype=gate.dtype, device=dev) if has_coarse else dq
+        dgate = torch.empty((B, T, H, D), dtype=gate.dtype, device=dev) if ops.has_coarse else dq
         delta = torch.empty(lse_shape(B, T, H), dtype=f32, device=dev)
         dbias = torch.empty(lse_shape(B, T, H), dtype=f32, device=dev) if bias_grad else delta
-        dtl = torch.empty((B, H, n), dtype=f32, device=dev) if has_tail else key_mean
-        dtv = torch.empty((B, H, n, D), dtype=f32, device=dev) if has_tail else key_mean
-        dkm = torch.empty((B, H, n, D), dtype=f32, device=dev) if has_tail else key_mean
-        dco = torch.empty((B, H, n, D), dtype=f32, device=dev) if has_coarse else key_mean
+        dummy = ops.key_mean
+        dtl = torch.empty((B, H, n), dtype=f32, device=dev) if ops.has_tail else dummy
+        dtv = torch.empty((B, H, n, D), dtype=f32, device=dev) if ops.has_tail else dummy
+        dkm = torch.empty((B, H, n, D), dtype=f32, device=dev) if ops.has_tail else dummy
+        dco = torch.empty((B, H, n, D), dtype=f32, device=dev) if ops.has_coarse else dummy
         qk_scale = problem.scale * LOG2E
         grid = (n, B * H)
-        kernel_dq = compiled(interpret, sol_attn_bwd_dq)
-        kernel_dkdv = compiled(interpret, sol_attn_bwd_dkdv)
+        kernel_dq = compiled(ops.interpret, sol_attn_bwd_dq)
+        kernel_dkdv = compiled(ops.interpret, sol_attn_bwd_dkdv)
         kernel_dq[grid](
-            q, k, v, out, dout, gate, dq, dgate, lse, delta,
-            kv_num, kv_idx, block_len, key_mean, tail_lse, tail_value, coarse, key_bias,
-            dtl, dtv, dco, dkm,
+            q, k, v, out, resid, dout, gate, dq, dgate, lse, delta,
+            ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
+            ops.key_bias, dtl, dtv, dco, dkm,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *gate.stride(),
-            bias_stride_b, T, H, n, kv_idx.shape[-1], qk_scale, problem.scale,
-            HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=has_tail, HAS_BIAS=has_bias, HAS_COARSE=has_coarse,
-            EXACT_DELTA=cfg.exact_delta, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+            ops.bias_stride_b, T, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale,
+            HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse,
+            RECOMPUTE_DELTA=cfg.delta == "recompute", num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )
         kernel_dkdv[grid](
             q, k, v, dout, dk, dv, dbias, lse, delta,
-            q_num, q_idx, block_len, key_bias,
+            q_num, q_idx, ops.block_len, ops.key_bias,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            bias_stride_b, T, H, n, q_idx.shape[-1], qk_scale, problem.scale,
-            HEAD_DIM=D, BLOCK=BLOCK, HAS_BIAS=has_bias, BIAS_GRAD=bias_grad,
+            ops.bias_stride_b, T, H, n, q_idx.shape[-1], qk_scale, problem.scale,
+            HEAD_DIM=D, BLOCK=BLOCK, HAS_BIAS=ops.has_bias, BIAS_GRAD=bias_grad,
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         )
         dt = problem.q.dtype
         return FusedGrads(
             dq=dq.to(dt), dk=dk.to(dt), dv=dv.to(dt),
-            dgate=dgate.to(problem.coarse_gate.dtype) if has_coarse else None,
+            dgate=dgate.to(problem.coarse_gate.dtype) if ops.has_coarse else None,
             dbias=dbias[..., :T].sum(dim=1) if bias_grad else None,
-            dtail_lse=dtl if has_tail else None, dtail_value=dtv if has_tail else None,
-            dcoarse=dco if has_coarse else None,
-            dkey_mean=dkm.sum(dim=2, keepdim=True) if has_tail else None)
+            dtail_lse=dtl if ops.has_tail else None, dtail_value=dtv if ops.has_tail else None,
+            dcoarse=dco if ops.has_coarse else None,
+            dkey_mean=dkm.sum(dim=2, keepdim=True) if ops.has_tail else None)
 
 
 def grads_through_plan(plan, grads: FusedGrads, leaves) -> Tuple[Optional[torch.Tensor], ...]:

@@ -130,11 +130,16 @@ def softmax_update(s, m_i, l_i):
 @gpu_jit
 def write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
                sgb, sgt, sgh, sgd, HEAD_DIM: tl.constexpr, HAS_COARSE: tl.constexpr):
-    """Normalise, add the coarse term, store into the contiguous ``(B, T, H, D)`` output."""
+    """Normalise, add the coarse term, store into the contiguous ``(B, T, H, D)`` output.
+
+    Returns the stored rows' rounding residual ``fine - (out - coarse term)`` in fp32 (``fine`` the
+    attention part before rounding, the coarse term as rounded here): the stored output plus that
+    residual gives the backward the unrounded attention output (its ``delta``)."""
     dims = tl.arange(0, HEAD_DIM)
     # a row whose terms are all -inf has l = 0 (and acc = 0): it returns 0, not NaN
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    out = out.to(Out.dtype.element_ty)
+    fine = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = fine.to(Out.dtype.element_ty)
+    resid = fine - out.to(tl.float32)
     if HAS_COARSE:
         g_ptrs = Gate + b * sgb + h * sgh + tok_q.to(tl.int64)[:, None] * sgt + dims[None, :] * sgd
         gate = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -143,14 +148,16 @@ def write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
         # round once more, which is what a bf16/fp16 add does (and the interpreter's does not)
         coarse_term = (gate * coarse[None, :]).to(Out.dtype.element_ty)
         out = (out.to(tl.float32) + coarse_term.to(tl.float32)).to(Out.dtype.element_ty)
+        resid = fine - (out.to(tl.float32) - coarse_term.to(tl.float32))
     o_ptrs = Out + ((b * T + tok_q.to(tl.int64)[:, None]) * H + h) * HEAD_DIM + dims[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None])
+    return resid
 
 
 @gpu_jit
 def sol_attn_fwd(
     Q, K, V, Out, Gate,
-    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse,
+    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse, Resid,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
@@ -164,7 +171,8 @@ def sol_attn_fwd(
     HAS_BIAS: tl.constexpr,
     HAS_COARSE: tl.constexpr,
     KV_TMA: tl.constexpr,          # K, V are (B, T, H, D) TMA descriptors (no block_len) instead of pointers
-    WRITE_LSE: tl.constexpr = False,  # also store each row's base-2 log-sum-exp (for the backward)
+    WRITE_LSE: tl.constexpr = False,  # also store each row's base-2 log-sum-exp and the output's
+                                      # rounding residual (for the backward)
 ):
     bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
         Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
@@ -193,9 +201,13 @@ def sol_attn_fwd(
             v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
-    write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
-               sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
+    resid = write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
+                       sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
     if WRITE_LSE:
+        # the residual in the output's layout and dtype: output + residual is the unrounded
+        # attention output to about 2^-16 relative, which flash attention's delta needs
+        r_ptrs = Resid + ((b * T + tok_q.to(tl.int64)[:, None]) * H + h) * HEAD_DIM + dims[None, :]
+        tl.store(r_ptrs, resid.to(Resid.dtype.element_ty), mask=row_ok[:, None])
         # log2 of the softmax denominator over everything the row saw (exact keys and the tail
         # key), in the uncentred base-2 units of the loop; -inf for a row whose terms were all -inf.
         # Layout (B * H, n * BLOCK): row plan_row * BLOCK + r, dead and past-T rows included.
