@@ -227,7 +227,7 @@ class GraphCache:
             try:
                 replay, static_out = self._capture(fn)
             except Exception as exc:  # noqa: BLE001 - any capture error falls back to eager
-                reason = f"{type(exc).__name__}: {exc}"
+                reason = _describe(exc)
             else:
                 reason = None
         if reason is not None:
@@ -307,6 +307,16 @@ class GraphCache:
         self._seen[key] = state
         while len(self._seen) > self._max_seen:
             self._seen.popitem(last=False)
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: first line`` of the error, and of the one it interrupted: an invalidated
+    capture fails again in ``capture_end``, which hides the call that broke it."""
+    def line(e: BaseException) -> str:
+        text = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {text[0] if text else ''}"
+    cause = exc.__cause__ or exc.__context__
+    return line(exc) if cause is None else f"{line(exc)}; raised while handling {line(cause)}"
 
 
 def _recover(graph, pool, before) -> None:

@@ -179,6 +179,25 @@ def test_failed_capture_marks_key_uncapturable_and_warns_once():
     assert (s.failures, s.eager_calls, s.captures, s.replays) == (2, 5, 0, 0)
 
 
+def test_failure_warning_names_the_error_the_capture_end_hid():
+    # an invalidated capture raises again when it ends; the warning names the first error too
+    try:
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nhint")
+        except RuntimeError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as chained:
+        error = chained
+    a = torch.ones(1)
+    cache = FakeCache(capture_after=1, fail=error)
+    with pytest.warns(RuntimeWarning) as caught:
+        cache.run(lambda: a + 1, (a,), "k")
+    message = str(caught[0].message)
+    assert ("RuntimeError: CUDA error: operation failed due to a previous error during capture; "
+            "raised while handling RuntimeError: CUDA error: operation not permitted when stream "
+            "is capturing)") in message and "hint" not in message
+
+
 def test_returned_outputs_are_clones_of_the_static_output():
     a = torch.ones(3)
     fn, cache = Counted(a), FakeCache(capture_after=1)
@@ -319,7 +338,8 @@ def test_cuda_graph_matches_eager_after_inplace_changes():
         a.copy_(torch.randn_like(a))
         got = cache.run(fn, (a, b), "mm")
         want = fn()
-        assert torch.equal(got, want), f"step {step}"
+        # cuBLAS may pick another kernel on another stream: equal up to fp32 rounding
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"step {step}")
         outs.append(got)
     s = cache.stats
     assert (s.eager_calls, s.captures, s.replays, s.failures) == (1, 1, 3, 0)
@@ -333,9 +353,10 @@ def test_cuda_host_sync_fails_capture_warns_and_stays_usable():
     stream = torch.cuda.current_stream()
     fn = lambda: x * x.sum().item()  # noqa: E731 - a host sync inside the captured function
     cache.run(fn, (x,), "sync")
-    with pytest.warns(RuntimeWarning, match="capturing a CUDA graph failed"):
+    with pytest.warns(RuntimeWarning, match="capturing a CUDA graph failed") as caught:
         out = cache.run(fn, (x,), "sync")
     assert torch.equal(out, x * 28.0)
+    print(caught[0].message)                             # the reason, for the record (-s)
     assert torch.cuda.current_stream() == stream and not torch.cuda.is_current_stream_capturing()
     x.fill_(1.0)
     assert torch.equal(cache.run(fn, (x,), "sync"), torch.full((8,), 8.0, device="cuda"))
@@ -354,7 +375,7 @@ def test_cuda_clear_releases_graph_memory():
     base = torch.cuda.memory_allocated()
     cache = GraphCache(capture_after=1)
     for _ in range(2):
-        out = cache.run(lambda: (a @ a).relu() + 1, (a,), "k")
+        out = cache.run(lambda: (a * 3).relu() + 1, (a,), "k")   # no cuBLAS: no workspace
     del out
     assert torch.cuda.memory_allocated() > base          # the static output lives in the graph's pool
     cache.clear()
