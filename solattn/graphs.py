@@ -252,6 +252,8 @@ class GraphCache:
         """Graphs apply to CUDA tensors on the current device, outside another capture and
         outside autograd."""
         present = [t for t in tensors if t is not None]
+        if torch.compiler.is_compiling():  # traced (fake) tensors have no addresses to key by
+            return False
         if not present or not self._devices_ok(present):
             return False
         if torch.is_grad_enabled() and any(t.requires_grad for t in present):
