@@ -19,6 +19,7 @@ from .backends.sdpa import SdpaBackend as _SdpaBackend
 from .budget import memory_budget, set_memory_budget
 from .dispatch import BackendError, best_device, list_backends, use_backend
 from .dispatch import register as register_backend
+from .graphs import cuda_graphs
 from .ops import sol_attn
 from .validation import BLOCK
 from .video import tile, untile, video_sparse_attn
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = ["sol_attn", "video_sparse_attn", "tile", "untile", "list_backends", "use_backend",
            "best_device", "BackendError", "memory_budget", "set_memory_budget", "register_backend",
-           "Backend", "BLOCK", "__version__"]
+           "Backend", "BLOCK", "cuda_graphs", "__version__"]
 
 if _os.environ.get("SOLATTN_COMFY_KITCHEN", "").strip():  # opt-in comfy-kitchen plug-in (docs/comfyui.md)
     from .integrations.comfy_kitchen import install_from_env as _install_from_env
