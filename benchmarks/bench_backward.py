@@ -118,10 +118,18 @@ def run_case(name, shape, kw, with_gate, dev, repeats):
     # gradient error against the portable backward (sdpa forward, recomputed through sdpa)
     ref_leaves = [x.clone().requires_grad_(True) for x in ins]
     ref_extra = {"coarse_gate": ref_leaves[3]} if with_gate else {}
-    solattn.sol_attn(*ref_leaves[:3], backend="sdpa", **ref_extra, **kw).backward(w)
     names = "q k v gate".split()[:len(ins)]
-    row["grad err"] = ", ".join(f"{n} {rel_l2(a, b.grad):.1e}" for n, a, b in zip(names, fused, ref_leaves))
-    if not kw.get("tail", True) and not with_gate:   # token-level gradients are the whole gradient
+    try:
+        solattn.sol_attn(*ref_leaves[:3], backend="sdpa", **ref_extra, **kw).backward(w)
+    except torch.OutOfMemoryError:
+        # the portable backward keeps every chunk's gathered keys for autograd (about 125 GB at
+        # H3 top-k 20 %): no reference at this size, the timings stand
+        row["grad err"] = "reference backward out of memory"
+        ref_leaves = None
+        torch.cuda.empty_cache()
+    if ref_leaves is not None:
+        row["grad err"] = ", ".join(f"{n} {rel_l2(a, b.grad):.1e}" for n, a, b in zip(names, fused, ref_leaves))
+    if ref_leaves is not None and not kw.get("tail", True) and not with_gate:   # token-level = whole gradient
         default = DEFAULT_BACKWARD_CONFIGS.get(D, DEFAULT_BACKWARD)
         for mode in DELTA_SOURCES:
             g = fused_backward(problem, plan, out, lse, resid, w, config=replace(default, delta=mode))

@@ -26,7 +26,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import dispatch
+from . import dispatch, graphs
+from .budget import BUDGETS, current_budget
 from .backends.triton.backend import TritonBackend
 from .routing import build_plan
 from .validation import BLOCK, Problem, validate
@@ -190,6 +191,19 @@ def plain_eager(*tensors: Optional[Tensor]) -> bool:
     return all(t is None or (type(t) is torch.Tensor and t.device.type != "meta") for t in tensors)
 
 
+def eager_call(fn: Callable[[], Tensor], tensors: Sequence[Optional[Tensor]], extra: tuple) -> Tensor:
+    """Run a plain eager call ``fn``: through the active :func:`solattn.graphs.cuda_graphs` cache
+    when there is one and the inputs are on a CUDA device, else directly. ``tensors``: every tensor
+    ``fn`` reads; ``extra``: every other argument (lists as tuples). The key also holds the
+    scoped settings a call's work depends on (forced backend, memory budgets)."""
+    cache = graphs.active_cache()
+    if cache is None or tensors[0].device.type != "cuda":
+        return fn()
+    extra = tuple(tuple(x) if isinstance(x, list) else x for x in extra)
+    settings = (dispatch.forced_backend(), *(current_budget(name) for name in sorted(BUDGETS)))
+    return cache.run(fn, tensors, extra + settings)
+
+
 def _dispatch_mode_active() -> bool:
     try:
         from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -326,5 +340,6 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
             _as_list(sink_q), key_bias, float(topk_ratio), bool(tail), block_len, coarse_gate,
             int(token_aug), backend or "", want_lse)
     if not want_lse and plain_eager(q, k, v, key_bias, block_len, coarse_gate):
-        return _sol_attn_forward(*args)[0]
+        return eager_call(lambda: _sol_attn_forward(*args)[0], (q, k, v, key_bias, block_len, coarse_gate),
+                          ("sol_attn", *args[3:7], *args[8:10], *args[12:]))
     return _sol_attn_op(*args)[0]

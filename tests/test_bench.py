@@ -107,6 +107,7 @@ def test_help_works(capsys):
     (["--repeats", "0"], "--repeats", "0"),
     (["--warmup", "0"], "--warmup", "0"),
     (["--device", "nonesuch"], "--device", "'nonesuch'"),
+    (["--graphs"], "--graphs", "cpu"),
 ])
 def test_bad_options_are_one_line_usage_errors(argv, option, value, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:

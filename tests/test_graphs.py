@@ -404,3 +404,34 @@ def test_cuda_sol_attn_triton_replay_matches_eager():
             assert torch.equal(got, want) or rel_l2(got, want) < 1e-6, f"step {step}"
     s = cache.stats
     assert (s.eager_calls, s.captures, s.replays, s.failures) == (1, 1, 2, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_sol_attn_inside_cuda_graphs_scope_replays():
+    """The wiring: plain no-grad ``sol_attn`` calls inside ``cuda_graphs()`` capture once and then
+    replay, each output equal to an eager call on the inputs' current contents; a call that needs
+    autograd, or one with another argument, is not served by the same graph."""
+    pytest.importorskip("triton")
+    import solattn
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 1000, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kw = dict(topk_ratio=0.1, tail=False, backend="triton")
+    with torch.no_grad():
+        with cuda_graphs() as cache:
+            outs = []
+            for step in range(4):
+                q.normal_()
+                outs.append((solattn.sol_attn(q, k, v, **kw), q.clone()))
+            other = solattn.sol_attn(q, k, v, **dict(kw, topk_ratio=0.3))   # a new key: eager
+        for got, q_then in outs:
+            want = solattn.sol_attn(q_then, k, v, **kw)
+            assert torch.equal(got, want) or rel_l2(got, want) < 1e-6
+        assert torch.equal(other, solattn.sol_attn(q, k, v, **dict(kw, topk_ratio=0.3)))
+    s = cache.stats
+    assert (s.captures, s.replays, s.failures) == (1, 2, 0)
+    assert s.eager_calls == 2
+    with cuda_graphs() as cache2:                              # grad needed: never through the cache
+        qg = q.clone().requires_grad_(True)
+        solattn.sol_attn(qg, k, v, **kw).float().sum().backward()
+        assert qg.grad is not None and cache2.stats.captures == cache2.stats.replays == 0

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny problems (preset 'quick', 2 repeats): a few seconds on a CPU, for CI")
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--graphs", action="store_true",
+                   help="also time each sparse backend inside solattn.cuda_graphs() (CUDA only; rows "
+                        "named '<backend>+graphs': the call replayed as a CUDA graph, output cloned)")
     return p
 
 
@@ -176,6 +179,7 @@ class Config:
     plot: bool
     tau: float = 1.0              # routing threshold of the tau-mode rows (ratio 0)
     peers: List[str] = field(default_factory=list)  # other implementations to time when present
+    graphs: bool = False          # also time the sparse backends through solattn.cuda_graphs()
     #: "backend: why" -> the problems it was not run on
     skipped: Dict[str, List[str]] = field(default_factory=dict)
 
@@ -223,9 +227,12 @@ def resolve(args: argparse.Namespace) -> Config:
     for option, value in (("--repeats", repeats), ("--warmup", warmup)):
         if value < 1:
             raise UsageError(f"{option} received {value}; allowed: an integer >= 1")
+    if args.graphs and device.type != "cuda":
+        raise UsageError(f"--graphs received on device {device}; allowed: a CUDA device (CUDA graphs)")
     out = args.out or os.path.join(
         "benchmarks", "results", f"{device.type}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
     return Config(device=device, dtype=dtype, shapes=shapes, ratios=ratios,
                   tails=[False, True] if args.tail else [False], coarse=args.coarse_gate,
                   backends=order, with_dense=with_dense, repeats=repeats, warmup=warmup, out=out,
-                  seed=args.seed, plot=not args.no_plot, tau=args.tau, peers=peers)
+                  seed=args.seed, plot=not args.no_plot, tau=args.tau, peers=peers,
+                  graphs=args.graphs)

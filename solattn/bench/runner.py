@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch
+from ..graphs import GraphCache, cuda_graphs
 from ..ops import plan_for, sol_attn
 from ..routing import build_plan
 from ..testing import block_structured_qkv, rel_l2
@@ -32,6 +33,17 @@ def _prepare(fn: Callable[[], torch.Tensor], cfg: Config):
     for _ in range(cfg.warmup - 1):
         fn()
     return measure_peak(fn, cfg.device)
+
+
+def graphed(call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``call`` made inside its own :func:`solattn.graphs.cuda_graphs` scope: the first call
+    captures (after a warm-up run), later calls replay; under no_grad, as every timed call is."""
+    cache = GraphCache(max_graphs=1, capture_after=1)
+
+    def run():
+        with torch.no_grad(), cuda_graphs(cache=cache):
+            return call()
+    return run
 
 
 def _shape_str(shape: Shape) -> str:
@@ -120,6 +132,9 @@ def run(cfg: Config) -> List[dict]:
                         log(f"{name} skipped at {tag}: {'; '.join(reasons)}")
                         cfg.skip(f"{name}: {'; '.join(reasons)}", tag)
                         del calls[name]
+                if cfg.graphs:
+                    for name in [n for n in calls if dispatch.get_backend(n).uses_plan]:
+                        calls[f"{name}+graphs"] = graphed(calls[name])
                 for name, peer in peers.items():
                     calls[name] = lambda peer=peer: peer(q, k, v, tau, ratio, tail, gate)
                 for name, fn in calls.items():
