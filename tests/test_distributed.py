@@ -148,8 +148,10 @@ def worker(rank, init_file, outdir):
         setattr(dist, name, counted)
     for name, case in CASES.items():
         torch.save(run_case(case, rank, counts), os.path.join(outdir, f"{name}.{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    # not barrier + destroy_process_group + a normal exit: Gloo's threads can then abort the
+    # finished process at interpreter shutdown (SIGABRT, seen in CI); see destroy_and_exit
+    from solattn import distributed as sd
+    sd.destroy_and_exit(0)
 
 
 # ---------------------------------------------------------------------------------- the tests
