@@ -45,7 +45,10 @@ Constraints:
   overwrites that buffer): one device copy of the output per call.
 * No autograd: a call with grad enabled and an input that requires grad runs eagerly.
 * A function that cannot be captured (a host sync such as ``.item()``, a CPU<->GPU copy)
-  is reported once by a warning and runs eagerly from then on for that key.
+  is reported once by a warning and runs eagerly from then on for that key. In ``sol_attn``
+  that is every call whose routing plan is not the fused one (the ``sdpa`` backend, or more
+  than ``solattn.routing.fused.FUSED_MAX_SCORES`` block scores): those are large enough not to
+  need graphs.
 * Thread safety: one lock per cache covers its bookkeeping, captures and replays (a
   replay is a few microseconds); eager calls run outside it. Captures are serialised
   process-wide, as CUDA graph capture requires.
@@ -334,6 +337,7 @@ def _recover(graph, pool, before) -> None:
     torch.cuda.set_stream(before)
     _ABANDONED.append(graph)
     device = before.device.index
+    _reset_generator(device)
     try:
         torch._C._cuda_endAllocateToPool(device, pool)
     except Exception:  # noqa: BLE001 - the capture never began allocating to the pool
@@ -341,6 +345,17 @@ def _recover(graph, pool, before) -> None:
     try:
         torch._C._cuda_releasePool(device, pool)
     except Exception:  # noqa: BLE001 - best effort; the pool's blocks then stay reserved
+        pass
+
+
+def _reset_generator(device: int) -> None:
+    """The capture's epilogue never ran, so the device's default RNG state still believes it is
+    being captured, and every later random op on the device fails ("Offset increment outside
+    graph capture"). A clone of the state (same seed and offset) is not capturing: swap it in."""
+    try:
+        gen = torch.cuda.default_generators[device]
+        gen.graphsafe_set_state(gen.clone_state())
+    except (AttributeError, IndexError, RuntimeError):  # a torch without graph-safe states
         pass
 
 

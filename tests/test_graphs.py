@@ -362,7 +362,8 @@ def test_cuda_host_sync_fails_capture_warns_and_stays_usable():
     assert torch.equal(cache.run(fn, (x,), "sync"), torch.full((8,), 8.0, device="cuda"))
     s = cache.stats
     assert (s.failures, s.captures, s.eager_calls) == (1, 0, 3)
-    y = torch.randn(32, 32, device="cuda")               # later captures still work
+    y = torch.randn(32, 32, device="cuda")               # random ops work (the RNG state is not left capturing)
+    # and later captures still work
     for _ in range(3):
         assert torch.equal(cache.run(lambda: y @ y, (y,), "mm"), y @ y)
     assert cache.stats.captures == 1 and cache.stats.replays == 1

@@ -157,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--graphs", action="store_true",
-                   help="also time each sparse backend inside solattn.cuda_graphs() (CUDA only; rows "
-                        "named '<backend>+graphs': the call replayed as a CUDA graph, output cloned)")
+                   help="also time the backends with a sync-free plan (triton) inside "
+                        "solattn.cuda_graphs() (CUDA only; rows named '<backend>+graphs': the call "
+                        "replayed as a CUDA graph, output cloned)")
     return p
 
 
@@ -179,7 +180,7 @@ class Config:
     plot: bool
     tau: float = 1.0              # routing threshold of the tau-mode rows (ratio 0)
     peers: List[str] = field(default_factory=list)  # other implementations to time when present
-    graphs: bool = False          # also time the sparse backends through solattn.cuda_graphs()
+    graphs: bool = False          # also time the triton backend through solattn.cuda_graphs()
     #: "backend: why" -> the problems it was not run on
     skipped: Dict[str, List[str]] = field(default_factory=dict)
 

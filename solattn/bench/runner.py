@@ -133,7 +133,8 @@ def run(cfg: Config) -> List[dict]:
                         cfg.skip(f"{name}: {'; '.join(reasons)}", tag)
                         del calls[name]
                 if cfg.graphs:
-                    for name in [n for n in calls if dispatch.get_backend(n).uses_plan]:
+                    # backends whose plan is made without host syncs (the fused plan) can be captured
+                    for name in [n for n in calls if getattr(dispatch.get_backend(n), "fused_plan", False)]:
                         calls[f"{name}+graphs"] = graphed(calls[name])
                 for name, peer in peers.items():
                     calls[name] = lambda peer=peer: peer(q, k, v, tau, ratio, tail, gate)
