@@ -81,6 +81,16 @@ def run_case(name, shape, kw, with_gate, dev, repeats):
 
     row["dense fwd"] = median(time_calls(dense_fwd, dev, repeats, warmup=2))
     row["dense fwd+bwd"] = median(time_calls(dense_fwd_bwd, dev, repeats, warmup=2))
+    # the yardstick for a bf16 backward: dense SDPA's own bf16 gradient error against fp32 SDPA
+    dense_grads = [x.grad.clone() for x in (dq_, dk_, dv_)]
+    f32 = [x.detach().float().requires_grad_(True) for x in (dq_, dk_, dv_)]
+    try:
+        F.scaled_dot_product_attention(*f32).backward(w.transpose(1, 2).float())
+        row["dense bf16 grad err"] = ", ".join(f"{n} {rel_l2(a, b.grad):.1e}"
+                                               for n, a, b in zip("qkv", dense_grads, f32))
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        row["dense bf16 grad err"] = f"fp32 SDPA failed ({type(err).__name__})"
+    del f32, dense_grads
     log(f"{name}: dense {row['dense fwd']:.1f} / {row['dense fwd+bwd']:.1f} ms")
 
     def sol_fwd():
@@ -177,6 +187,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="seed shape only")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--cases", nargs="+", metavar="TEXT",
+                        help="only the cases whose name contains one of these texts")
     parser.add_argument("--smoke", action="store_true",
                         help="check this script on the CPU: tiny shapes, kernels in Triton's interpreter")
     args = parser.parse_args()
@@ -193,6 +205,11 @@ def main():
                      "--smoke checks the script on the CPU")
         dev = torch.device("cuda")
         cases = [c for c in CASES if not args.quick or c[1] is SEED]
+    if args.cases:
+        cases = [c for c in cases if any(t in c[0] for t in args.cases)]
+        if not cases:
+            sys.exit(f"--cases received {args.cases}; allowed: texts found in the case names "
+                     f"{[c[0] for c in (CASES if not args.smoke else [])]}")
     reset_clock()
     rows, first = [], None
     for name, shape, kw, gate in cases:
@@ -206,7 +223,8 @@ def main():
             torch.cuda.empty_cache()
 
     cols = ["case", "kept", "dense fwd", "dense fwd+bwd", "sol fwd", "sol fwd+bwd", "speed-up fwd+bwd",
-            "plan", "bwd kernels", "useful TFLOP/s fwd+bwd", "dense TFLOP/s fwd+bwd", "peak GiB", "grad err"]
+            "plan", "bwd kernels", "useful TFLOP/s fwd+bwd", "dense TFLOP/s fwd+bwd", "peak GiB", "grad err",
+            "dense bf16 grad err"]
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (interpreter smoke run)"
     lines = [f"# solattn fused backward, {where}, torch {torch.__version__}, "
              f"bf16 (times in ms, medians of {args.repeats})", "",
@@ -225,7 +243,8 @@ def main():
         lines += [f"| {case} | {d} | {e} |" for case, d, e in modes]
     lines += ["", "sol fwd+bwd: `sol_attn(..., backend='triton')` forward (plan + kernel, LSE written) and the "
               "fused backward (plan rebuilt + kernels + block-level autograd); grad err: relative L2 against "
-              "`backend='sdpa'` (its backward recomputes through sdpa)."]
+              "`backend='sdpa'` (its backward recomputes through sdpa); dense bf16 grad err: dense SDPA's bf16 "
+              "gradients against fp32 SDPA's on the same inputs (the level a bf16 backward reaches)."]
     if not args.no_sweep and not args.smoke and first is not None:
         lines += ["", f"## Backward launch configs ({rows[0]['case']}, kernels only; first row: the default)", "",
                   "| dq warps | dq stages | dk/dv warps | dk/dv stages | delta | ms | note |",

@@ -12,6 +12,7 @@ from .. import dispatch
 from ..graphs import GraphCache, cuda_graphs
 from ..ops import plan_for, sol_attn
 from ..routing import build_plan
+from ..routing.fused import fused_plan_usable
 from ..testing import block_structured_qkv, rel_l2
 from ..validation import validate
 from .memory import measure_peak
@@ -132,8 +133,8 @@ def run(cfg: Config) -> List[dict]:
                         log(f"{name} skipped at {tag}: {'; '.join(reasons)}")
                         cfg.skip(f"{name}: {'; '.join(reasons)}", tag)
                         del calls[name]
-                if cfg.graphs:
-                    # backends whose plan is made without host syncs (the fused plan) can be captured
+                if cfg.graphs and fused_plan_usable(problem):
+                    # a call is capturable when its plan is the fused one (no host syncs)
                     for name in [n for n in calls if getattr(dispatch.get_backend(n), "fused_plan", False)]:
                         calls[f"{name}+graphs"] = graphed(calls[name])
                 for name, peer in peers.items():
