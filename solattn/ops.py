@@ -3,17 +3,21 @@
 The Python wrapper validates (metadata only, so it also runs while
 ``torch.compile`` traces with fake tensors) and calls the custom op; the op
 builds the plan, dispatches and runs the backend. The fake implementation
-makes ``torch.compile(fullgraph=True)`` and ``torch.export`` see one node.
+makes ``torch.compile(fullgraph=True)`` and ``torch.export`` see one node. A
+plain eager call (no gradient, tracing, tensor subclass or dispatch mode, see
+:func:`plain_eager`) runs the op's computation directly, through the active
+:func:`solattn.graphs.cuda_graphs` cache when there is one.
 
 Autograd: when the forward ran on the ``triton`` backend, the op also returns
-each row's log-sum-exp and the backward is the fused one
-(:mod:`solattn.backends.triton.backward`): the plan is rebuilt (same inputs, same
-selection), two kernels give the token-level gradients and the block-level ones
-(tail, coarse, key centroid) go through the plan's block means with torch
-autograd. Otherwise the backward pass recomputes the forward with autograd
-enabled through a differentiable backend (the one that ran the forward when it
-supports autograd, else the first one in the device's priority that does) and
-differentiates that. The selection is treated as constant either way.
+each row's log-sum-exp and the output's rounding residual, and the backward is
+the fused one (:mod:`solattn.backends.triton.backward`): the forward's plan is
+taken back (:data:`PLANS`) or, when it has differentiable block terms, rebuilt
+(same inputs, same selection); two kernels give the token-level gradients and the
+block-level ones (tail, coarse, key centroid) go through the plan's block means
+with torch autograd. Otherwise the backward pass recomputes the forward with
+autograd enabled through a differentiable backend (the one that ran the forward
+when it supports autograd, else the first one in the device's priority that
+does) and differentiates that. The selection is treated as constant either way.
 """
 
 from __future__ import annotations
