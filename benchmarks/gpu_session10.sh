@@ -1,16 +1,36 @@
 #!/usr/bin/env bash
-# Session-10 GPU checks in one device call (results under $OUT): the fused backward's table
-# (bench_backward --no-sweep), the seed shape end to end (eager / cuda_graphs, pointer / TMA
-# loads) with the H3 plan's profile, then the whole test suite on the GPU machine.
+# Session-10 GPU checks, as named steps run in the order given (results under $OUT); one device
+# call is 10 minutes at most, so a call runs a few steps:
+#   backward    bench_backward.py --no-sweep (the H3 and seed tables)
+#   seed        diag/session10_seed.py: seed shape end to end (eager / cuda_graphs, pointer / TMA), H3 plan profile
+#   peers       python -m solattn bench --shapes peers ... --graphs (needs comfy-kitchen on PYTHONPATH)
+#   peers_seed  the same at the seed shape only
+#   graph_tests pytest tests/test_graphs.py -k cuda -v
+#   tests       the whole test suite ($TEST_ARGS appended, $TEST_S seconds at most)
+# e.g.  OUT=$OUT EXTRA_PYTHONPATH=$PWD/.whl/ck bash benchmarks/gpu_session10.sh graph_tests peers_seed tests
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
+export SOLATTN_REVISION=$(cat COMMIT 2>/dev/null)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 cat COMMIT 2>/dev/null
-timeout 170 python benchmarks/bench_backward.py --no-sweep --out "$OUT/backward.md" > "$OUT/backward.log" 2>&1
-tail -22 "$OUT/backward.md"
-timeout 90 python benchmarks/diag/session10_seed.py > "$OUT/seed.txt" 2>&1
-grep "^|" "$OUT/seed.txt"; grep "torch plan" "$OUT/seed.txt"
-timeout ${TEST_S:-300} python -m pytest -q -p no:cacheprovider tests/ ${TEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
-tail -4 "$OUT/gpu_tests.log"
+PEERS="--ratios 0.1 0 --tail --graphs --backends dense triton comfy-kitchen"
+for step in "$@"; do
+  case $step in
+    backward) timeout 170 python benchmarks/bench_backward.py --no-sweep --out "$OUT/backward.md" > "$OUT/backward.log" 2>&1
+              tail -22 "$OUT/backward.md" ;;
+    seed) timeout 90 python benchmarks/diag/session10_seed.py > "$OUT/seed.txt" 2>&1
+          grep "^|" "$OUT/seed.txt"; grep "torch plan" "$OUT/seed.txt" ;;
+    peers) timeout 400 python -m solattn bench --shapes peers --ratios 0.2 $PEERS --repeats 5 --warmup 2 \
+             --out "$OUT/peers" > "$OUT/peers.log" 2>&1; echo "peers rc=$?" ;;
+    peers_seed) timeout 90 python -m solattn bench --shapes 2,4056,16,128 $PEERS --repeats 10 --warmup 2 \
+                  --out "$OUT/peers_seed" > "$OUT/peers_seed.log" 2>&1; echo "peers_seed rc=$?"
+                grep -E "^\[.*\]   " "$OUT/peers_seed.log" | tail -20 ;;
+    graph_tests) timeout 100 python -m pytest -v -p no:cacheprovider --tb=short -s tests/test_graphs.py -k cuda \
+                   > "$OUT/graph_tests.log" 2>&1; echo "graph tests rc=$?"; grep -E "PASSED|FAILED" "$OUT/graph_tests.log" ;;
+    tests) timeout ${TEST_S:-300} python -m pytest -q -p no:cacheprovider tests/ ${TEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
+           tail -4 "$OUT/gpu_tests.log" ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests" >&2; exit 2 ;;
+  esac
+done
