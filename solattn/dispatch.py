@@ -37,6 +37,8 @@ _POSITIONS: Dict[str, Dict[str, int]] = {}
 
 #: the innermost ``use_backend`` name; a context variable, so a block scopes only the thread
 #: (or asyncio task) that entered it, and other threads' calls are not forced onto it
+#: bumped by register / unregister (see choice_key)
+_GENERATION = 0
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("solattn_forced_backend", default=None)
 _warned_env: set = set()
 
@@ -90,6 +92,8 @@ def register(backend: Backend, priority: Union[None, int, Mapping[str, int]] = N
     if not backend.name or backend.name != backend.name.lower() or not backend.name.isalpha():
         raise ValueError(f"backend names are lowercase words; received {backend.name!r}")
     positions = _positions(backend, priority)
+    global _GENERATION
+    _GENERATION += 1
     _REGISTRY[backend.name] = backend
     _POSITIONS.pop(backend.name, None)
     if positions:
@@ -100,6 +104,8 @@ def register(backend: Backend, priority: Union[None, int, Mapping[str, int]] = N
 def unregister(name: str) -> Backend:
     """Remove the backend called ``name`` (and its priority); returns it."""
     backend = get_backend(name)
+    global _GENERATION
+    _GENERATION += 1
     del _REGISTRY[backend.name]
     _POSITIONS.pop(backend.name, None)
     return backend
@@ -159,6 +165,13 @@ def differentiable_request(requested: Optional[str]) -> Optional[str]:
     else None (then the device's priority list picks one that does)."""
     name = requested or forced_backend()
     return name if name and "autograd" in get_backend(name).features else None
+
+
+def choice_key() -> tuple:
+    """Everything outside a call's arguments that decides which backend runs it: the forced
+    backend (``use_backend``), ``SOLATTN_BACKEND`` and the registry's generation (it changes with
+    every ``register`` / ``unregister``). Equal keys, equal arguments: the same choice."""
+    return (forced_backend(), os.environ.get("SOLATTN_BACKEND"), _GENERATION)
 
 
 def forced_backend() -> Optional[str]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextvars
 import itertools
 import threading
-from collections import OrderedDict
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -76,61 +75,62 @@ def backward_buffers(q: Tensor, v: Tensor, want: bool, rows: Optional[int] = Non
             torch.empty((B, T, H, D), dtype=v.dtype, device=q.device))
 
 
-class _PlanStash:
-    """Plans of triton forwards that the fused backward may follow, under a token the custom op
-    returns (its CPU ``fused`` output, saved with the autograd graph): the backward takes the
-    plan back instead of rebuilding it (2.8 ms at B=1, T=37296, H=56). Only plans without
-    differentiable block terms are kept (the backward must rebuild those with autograd); the
-    backward removes its plan; at most ``limit`` are kept (the oldest go first, and a backward
-    that finds nothing rebuilds, so correctness never depends on the stash)."""
+class _PlanHandoff:
+    """The plan of the last triton forward a fused backward may follow, per thread, from the op's
+    computation to its ``setup_context`` (which runs right after it in the same thread and keeps
+    the plan on the autograd node: it lives and dies with the graph, and a second backward of a
+    retained graph reuses it). The op returns the token in its CPU ``fused`` output; a slot whose
+    token does not match is ignored, and each forward overwrites the slot, so at most one plan per
+    thread waits here (e.g. when compiled code runs the op without ``setup_context``)."""
 
-    def __init__(self, limit: int = 128):
-        self.limit = limit
-        self._plans: "OrderedDict[int, object]" = OrderedDict()
+    def __init__(self):
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
+        self._slot = threading.local()
 
-    def token(self, plan=None) -> int:
-        """A new token (> 0), with ``plan`` kept under it when given."""
+    def put(self, plan=None) -> int:
+        """A new token (> 0); ``plan`` waits under it (None: nothing to hand over)."""
         with self._lock:
             token = next(self._tokens)
-            if plan is not None:
-                self._plans[token] = plan
-                while len(self._plans) > self.limit:
-                    self._plans.popitem(last=False)
-            return token
+        self._slot.value = (token, plan) if plan is not None else None
+        return token
 
-    def take(self, token: int):
-        with self._lock:
-            return self._plans.pop(token, None)
+    def take(self, fused: Tensor):
+        """The plan waiting under the token in ``fused`` (the op's output), or None."""
+        if type(fused) is not torch.Tensor or not fused.numel():     # traced (fake) outputs: nothing
+            return None
+        waiting = getattr(self._slot, "value", None)
+        self._slot.value = None
+        token = int(fused.item())
+        return waiting[1] if waiting is not None and token and waiting[0] == token else None
 
 
-PLANS = _PlanStash()
+PLANS = _PlanHandoff()
 
 
 def run_for_backward(chosen, problem: Problem, plan, lse: Tensor, resid: Tensor) -> Tuple[Tensor, Tensor]:
     """Run the chosen backend; on ``triton`` with :func:`backward_buffers`, also fill them. Returns
     the output and a CPU int64 flag: 0 when the fused backward does not apply, else a
-    :data:`PLANS` token (the plan is kept under it when it has no differentiable block terms)."""
+    :data:`PLANS` token (the plan waits under it when it has no differentiable block terms)."""
     if isinstance(chosen, TritonBackend) and lse.numel():
         out = chosen.forward(problem, plan, lse=lse, resid=resid)
         keep = not (problem.tail or problem.coarse_gate is not None)
-        return out, torch.tensor(PLANS.token(plan if keep else None), dtype=torch.int64)
+        return out, torch.tensor(PLANS.put(plan if keep else None), dtype=torch.int64)
     return chosen.forward(problem, plan), torch.zeros((), dtype=torch.int64)
 
 
 def fused_grads(problem_of: Callable, make_plan: Callable, inputs, out: Tensor, lse: Tensor,
-                resid: Tensor, grad_out: Tensor, bias_grad: bool, settings=None, token: int = 0):
+                resid: Tensor, grad_out: Tensor, bias_grad: bool, settings=None, saved=None):
     """Gradients through the triton backend's fused backward. ``problem_of(q, k, v)`` validates the
     forward's problem on the given tensors, ``make_plan(problem)`` rebuilds its plan (the same
     selection: same inputs); ``inputs`` = ``(q, k, v)``; ``out``, ``lse``, ``resid`` the forward's outputs.
     Returns ``(dq, dk, dv, dgate, dbias)`` in the problem's layout (``dbias`` ``(B, T)`` fp32 summed
     over heads, or None). ``settings``: the forward's context (memory budget, backend choice);
-    ``token``: the forward's :data:`PLANS` token (its plan is used when kept there)."""
+    ``saved``: the forward's plan when it was kept (:data:`PLANS`), used instead of a rebuild when
+    the plan has no differentiable block terms."""
     if settings is not None:
         return settings.copy().run(fused_grads, problem_of, make_plan, inputs, out, lse, resid, grad_out,
-                                   bias_grad, None, token)
-    saved = PLANS.take(token) if token else None
+                                   bias_grad, None, saved)
     from .backends.triton.backward import fused_backward, grads_through_plan
     probe = problem_of(*inputs)
     block_terms = probe.tail or probe.coarse_gate is not None    # the plan's terms carry gradients
@@ -190,7 +190,8 @@ def plain_eager(*tensors: Optional[Tensor]) -> bool:
     counter). Then the public functions call the op's computation directly and skip the op's
     dispatch and autograd wrapping (several hundred microseconds per call), which is the whole
     cost of small problems; everything else goes through the op."""
-    if torch.compiler.is_compiling() or _dispatch_mode_active():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _dispatch_mode_active() \
+            or _transforms_active():
         return False
     return all(t is None or (type(t) is torch.Tensor and t.device.type != "meta") for t in tensors)
 
@@ -199,13 +200,25 @@ def eager_call(fn: Callable[[], Tensor], tensors: Sequence[Optional[Tensor]], ex
     """Run a plain eager call ``fn``: through the active :func:`solattn.graphs.cuda_graphs` cache
     when there is one and the inputs are on a CUDA device, else directly. ``tensors``: every tensor
     ``fn`` reads; ``extra``: every other argument (lists as tuples). The key also holds the
-    scoped settings a call's work depends on (forced backend, memory budgets)."""
+    settings a call's work depends on (the backend choice's, the memory budgets); module-level
+    tunables (e.g. the triton launcher's defaults) are not in it: change them outside the block."""
     cache = graphs.active_cache()
     if cache is None or tensors[0].device.type != "cuda":
         return fn()
     extra = tuple(tuple(x) if isinstance(x, list) else x for x in extra)
-    settings = (dispatch.forced_backend(), *(current_budget(name) for name in sorted(BUDGETS)))
+    settings = (*dispatch.choice_key(), *(current_budget(name) for name in sorted(BUDGETS)))
     return cache.run(fn, tensors, extra + settings)
+
+
+def _transforms_active() -> bool:
+    """functorch transforms (vmap, grad, jvp) or forward-mode AD: the op's batching / forward-AD
+    rules apply to the op, not to its computation."""
+    functorch = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if functorch is None or functorch():
+        return True
+    forward_ad = getattr(torch.autograd, "forward_ad", None)
+    level = getattr(forward_ad, "_current_level", None)
+    return level is None or level >= 0
 
 
 def _dispatch_mode_active() -> bool:
@@ -269,6 +282,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused)
     ctx.args = (tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend)
     ctx.settings = forward_settings()
+    ctx.plan = PLANS.take(fused)
 
 
 def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
@@ -277,15 +291,14 @@ def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
     # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
     bias_leaf = key_bias if ctx.needs_input_grad[7] and key_bias.is_floating_point() else None
 
-    token = int(fused.item())
-    if lse.numel() and token:                                # the forward ran the triton kernel
+    if lse.numel() and int(fused.item()):                     # the forward ran the triton kernel
         def problem_of(qd, kd, vd):
             return validate(qd, kd, vd, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
                             block_len, coarse_gate, token_aug)
 
         gq, gk, gv, gg, gb = fused_grads(problem_of, build_plan, (q, k, v), out, lse, resid, grad_out,
                                          bias_grad=bias_leaf is not None, settings=ctx.settings,
-                                         token=token)
+                                         saved=ctx.plan)
         if gb is not None:                   # (B or 1, T) summed over heads -> key_bias's shape
             if key_bias.numel() != gb.numel():
                 gb = gb.sum(dim=0, keepdim=True)

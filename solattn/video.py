@@ -24,7 +24,8 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend
-from .ops import backward_buffers, forward_settings, fused_grads, plain_eager, recompute_grads, run_for_backward
+from .ops import (PLANS, backward_buffers, forward_settings, fused_grads, plain_eager, recompute_grads,
+                  run_for_backward)
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
 
@@ -327,13 +328,13 @@ def _vsa_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, gate, out, lse, resid, fused)
     ctx.args = (grid, k_vid, scale, backend, segments, mode)
     ctx.settings = forward_settings()
+    ctx.plan = PLANS.take(fused)
 
 
 def _vsa_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
     grid, k_vid, scale, backend, segments, mode = ctx.args
     q, k, v, gate, out, lse, resid, fused = ctx.saved_tensors
-    token = int(fused.item())
-    if lse.numel() and token:                                # the forward ran the triton kernel
+    if lse.numel() and int(fused.item()):                     # the forward ran the triton kernel
         layout = _layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
         tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
         tg = _tiled_gate(gate, tq, layout)
@@ -346,7 +347,7 @@ def _vsa_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
 
         gq, gk, gv, gg, _ = fused_grads(problem_of, make_plan, (tq, tk, tv), _to_tiled(out, layout), lse,
                                         resid, _to_tiled(grad_out, layout), bias_grad=False, settings=ctx.settings,
-                                        token=token)
+                                        saved=ctx.plan)
         gq, gk, gv = (g.index_select(1, layout.slots) for g in (gq, gk, gv))
         if gg is not None and ctx.needs_input_grad[5]:
             gg = gg.sum() if gate.dim() == 0 else gg.index_select(1, layout.slots)

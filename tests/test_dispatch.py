@@ -506,3 +506,20 @@ def test_backward_recomputes_under_the_forward_calls_scoped_settings(monkeypatch
     out.sum().backward()
     assert seen == [5 << 20, 5 << 20]
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_choice_key_follows_everything_that_decides_the_backend(toy_registered, monkeypatch):
+    """The key solattn.cuda_graphs adds to a call's arguments changes with use_backend,
+    SOLATTN_BACKEND and every register / unregister (a graph must not replay another choice)."""
+    monkeypatch.delenv("SOLATTN_BACKEND", raising=False)
+    keys = [dispatch.choice_key()]
+    with solattn.use_backend("sdpa"):
+        keys.append(dispatch.choice_key())
+    monkeypatch.setenv("SOLATTN_BACKEND", "reference")
+    keys.append(dispatch.choice_key())
+    toy_registered(priority={"cpu": 0})
+    keys.append(dispatch.choice_key())
+    dispatch.unregister("toy")
+    keys.append(dispatch.choice_key())
+    assert len(set(keys)) == len(keys)
+    assert dispatch.choice_key() == keys[-1]                   # stable while nothing changes

@@ -218,9 +218,11 @@ def test_forward_lse_is_the_rows_log_sum_exp(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_takes_the_forwards_plan(device, monkeypatch, fused_calls):
-    """Without tail or gate the backward reuses the plan the forward built (kept under the
-    op's token) instead of rebuilding it, and its gradients equal those of a rebuilt plan; with
-    the stash emptied between forward and backward it rebuilds."""
+    """Without tail or gate the backward reuses the plan the forward built (handed to the autograd
+    node) instead of rebuilding it, also in a second backward of a retained graph, and its
+    gradients equal those of a rebuilt plan; the plan is freed with the graph."""
+    import gc
+    import weakref
     import solattn.ops as ops
     q, k, v = make_qkv(1, 192, 2, 32, dtype=torch.float16, device=device, seed=5)
     w = _rand(q.shape, 6).to(device)
@@ -228,27 +230,65 @@ def test_backward_takes_the_forwards_plan(device, monkeypatch, fused_calls):
     real = ops.build_plan
 
     def counting(*args, **kwargs):
-        built.append(1)
-        return real(*args, **kwargs)
+        plan = real(*args, **kwargs)
+        built.append(weakref.ref(plan))
+        return plan
 
     monkeypatch.setattr(ops, "build_plan", counting)       # forward and backward plans go through it
 
-    def grads(drop_stash: bool):
+    def forward():
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
         out = solattn.sol_attn(*leaves, topk_ratio=0.5, tail=False, backend="triton")
-        assert built == [1]
-        built.clear()
-        if drop_stash:
-            ops.PLANS._plans.clear()
-        (out.float() * w).sum().backward()
-        return [t.grad for t in leaves]
+        assert len(built) == 1
+        return leaves, out
 
-    kept = grads(False)
-    assert fused_calls and built == []                    # the backward built no plan
-    rebuilt = grads(True)
-    assert built == [1]
-    for a, b in zip(kept, rebuilt):
+    leaves, out = forward()
+    loss = (out.float() * w).sum()
+    loss.backward(retain_graph=True)
+    kept = [t.grad.clone() for t in leaves]
+    assert fused_calls and len(built) == 1                   # the backward built no plan
+    for t in leaves:
+        t.grad = None
+    loss.backward()                                          # the retained graph still holds it
+    assert len(built) == 1 and all(torch.equal(t.grad, g) for t, g in zip(leaves, kept))
+    assert built[0]() is not None
+    del loss, out
+    gc.collect()
+    assert built[0]() is None                                # freed with the graph
+
+    built.clear()
+    monkeypatch.setattr(ops.PLANS, "take", lambda fused: None)   # nothing handed over: rebuild
+    leaves, out = forward()
+    (out.float() * w).sum().backward()
+    assert len(built) == 2
+    for a, b in zip(kept, (t.grad for t in leaves)):
         assert torch.equal(a, b)
+
+
+def test_forward_without_backward_keeps_no_plan(monkeypatch):
+    """A grad-enabled forward whose graph is dropped without a backward (activation checkpointing,
+    an evaluation pass) leaves no plan behind."""
+    import gc
+    import weakref
+    import solattn.ops as ops
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not INTERPRETER_OK:
+        pytest.skip("the interpreter needs triton >= 3.9")
+    q, k, v = make_qkv(1, 192, 2, 32, dtype=torch.float16, seed=8)
+    refs = []
+    real = ops.build_plan
+
+    def recording(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        refs.append(weakref.ref(plan))
+        return plan
+
+    monkeypatch.setattr(ops, "build_plan", recording)
+    for _ in range(3):
+        out = solattn.sol_attn(q.clone().requires_grad_(True), k, v, topk_ratio=0.5, tail=False, backend="triton")
+        del out
+    gc.collect()
+    assert len(refs) == 3 and all(r() is None for r in refs)
 
 
 def test_plain_eager_calls_skip_the_custom_op(monkeypatch):
@@ -272,3 +312,20 @@ def test_plain_eager_calls_skip_the_custom_op(monkeypatch):
         via_op = solattn.sol_attn(q, k, v, topk_ratio=0.4, backend="sdpa")
     assert through_op == [1]
     assert torch.equal(direct, via_op)
+
+
+def test_traced_and_transformed_calls_go_through_the_op():
+    """torch.jit.trace records the op (one node, right on new inputs) and vmap batches it, as they
+    did before plain calls skipped the op."""
+    q, k, v = make_qkv(2, 150, 2, 32, seed=9)
+
+    def f(q, k, v):
+        return solattn.sol_attn(q, k, v, topk_ratio=0.4, backend="sdpa")
+
+    with torch.no_grad():
+        traced = torch.jit.trace(f, (q, k, v), check_trace=False)
+        assert "solattn::sol_attn" in str(traced.graph)
+        q2, k2, v2 = make_qkv(2, 150, 2, 32, seed=10)
+        assert torch.equal(traced(q2, k2, v2), f(q2, k2, v2))
+        batched = torch.func.vmap(f)(q[:, None], k[:, None], v[:, None])
+        assert rel_l2(batched[:, 0], f(q, k, v)) < 1e-6

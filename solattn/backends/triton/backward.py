@@ -293,7 +293,9 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         bias_grad = bool(bias_grad and ops.has_bias)
         out, resid, dout = out.contiguous(), resid.contiguous(), grad_out
         if ops.interpret and problem.q.dtype == torch.bfloat16:
-            dout, out, resid = (t.to(f32) for t in (dout, out, resid))   # as kernel_operands does
+            # dO enters tl.dot: an fp32 copy, as kernel_operands does for q, k, v. The output and
+            # its residual stay bf16, so the coarse term is rounded to bf16 as the forward did
+            dout = dout.to(f32)
         cdt = q.dtype
         dq = torch.empty((B, T, H, D), dtype=cdt, device=dev)
         dk = torch.empty((B, T, H, D), dtype=cdt, device=dev)
