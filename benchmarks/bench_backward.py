@@ -132,8 +132,8 @@ def run_case(name, shape, kw, with_gate, dev, repeats):
     try:
         solattn.sol_attn(*ref_leaves[:3], backend="sdpa", **ref_extra, **kw).backward(w)
     except torch.OutOfMemoryError:
-        # the portable backward keeps every chunk's gathered keys for autograd (about 125 GB at
-        # H3 top-k 20 %): no reference at this size, the timings stand
+        # no reference at this size, the timings stand (the portable backward ran out of an
+        # H200's memory at H3 top-k 20 % while it kept every chunk's gathered keys for autograd)
         row["grad err"] = "reference backward out of memory"
         ref_leaves = None
         torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ...budget import BUDGETS
 from ...routing import Plan, live_token_mask
@@ -146,9 +147,23 @@ def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv) -> _S
 def _attend_rows(call: _Call, g: Group, sl: _Slice, r0: int, r1: int, s: ChunkShape,
                  out: torch.Tensor, kv=None) -> torch.Tensor:
     """One SDPA call for rows ``[r0, r1)`` of slice ``sl`` of group ``g``; writes their output rows.
-    ``kv``: the key and value :class:`BlockTable` holding these rows' pairs, or None (gather rows)."""
+    ``kv``: the key and value :class:`BlockTable` holding these rows' pairs, or None (gather rows).
+
+    With autograd recording, the chunk is a checkpoint: autograd keeps none of its gathered keys
+    and values (which, over every chunk, would be the kept fraction of a T x T x D tensor: tens of
+    GB at B=1, T=37296, H=56) and gathers them again, one chunk at a time, in the backward pass."""
+    if call.work.enabled:
+        o = _chunk_output(call, g, sl, r0, r1, s, kv)
+    else:
+        o = checkpoint(_chunk_output, call, g, sl, r0, r1, s, kv, use_reentrant=False,
+                       preserve_rng_state=False)                # nothing random inside
+    out.view(-1, call.p.D).index_copy_(0, sl.out_rows[r0:r1].reshape(-1), o.reshape(-1, call.p.D))
+    return out
+
+
+def _chunk_output(call: _Call, g: Group, sl: _Slice, r0: int, r1: int, s: ChunkShape, kv) -> torch.Tensor:
+    """The ``(nr, Lq, D)`` attention output of rows ``[r0, r1)`` of ``sl`` (see :func:`_attend_rows`)."""
     p, work = call.p, call.work
-    D = p.D
     count = g.count
     b, h, blocks = sl.b[r0:r1], sl.h[r0:r1], sl.blocks[r0:r1]
 
@@ -189,8 +204,7 @@ def _attend_rows(call: _Call, g: Group, sl: _Slice, r0: int, r1: int, s: ChunkSh
     # testing for a dead row first would stall the device queue once per SDPA call.
     if dead is not None and (o.device.type != "cpu" or bool(dead.any())):
         o = torch.where(dead[..., None], torch.zeros((), dtype=o.dtype, device=o.device), o)
-    out.view(-1, D).index_copy_(0, sl.out_rows[r0:r1].reshape(-1), o.reshape(-1, D))
-    return out
+    return o
 
 
 def _key_bias_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
