@@ -34,6 +34,7 @@ import solattn  # noqa: E402
 from solattn.backends.triton.backend import launch  # noqa: E402
 from solattn.backends.triton.backward import (BackwardConfig, DEFAULT_BACKWARD, DEFAULT_BACKWARD_CONFIGS,  # noqa: E402,E501
                                               DELTA_SOURCES, fused_backward, lse_shape)
+from solattn.bench.report import publish  # noqa: E402
 from solattn.bench.timing import log, reset_clock, time_calls  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
 from solattn.testing import make_qkv, rel_l2  # noqa: E402
@@ -252,10 +253,7 @@ def main():
         for c, ms, note in sweep(first, dev, args.repeats):
             lines.append(f"| {c.dq_warps} | {c.dq_stages} | {c.dkdv_warps} | {c.dkdv_stages} | {c.delta} | "
                          f"{'' if ms is None else f'{ms:.2f}'} | {note} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    publish(lines, args.out)
     log(f"wrote {args.out}")
 
 

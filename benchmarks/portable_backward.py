@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from solattn.bench.report import publish  # noqa: E402
 from solattn.ops import run_problem  # noqa: E402
 from solattn.testing import make_qkv  # noqa: E402
 from solattn.validation import validate  # noqa: E402
@@ -78,10 +79,7 @@ def main():
     for r in rows:
         lines.append(f"| {r['shape']} | {r['ratio']} | {r['saved_mib']:.1f} | {r['saved_vs_inputs']:.2f} | "
                      f"{r['peak_growth_mib']:.0f} | {r['fwd_s']:.2f} | {r['bwd_s']:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

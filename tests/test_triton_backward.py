@@ -55,6 +55,24 @@ def fused_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def plan_refs(monkeypatch):
+    """Weak references to every plan ``sol_attn`` builds (forward and backward go through
+    ``solattn.ops.build_plan``), in order: a test sees how many were built and which are alive."""
+    import weakref
+    import solattn.ops as ops
+    refs = []
+    real = ops.build_plan
+
+    def recording(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        refs.append(weakref.ref(plan))
+        return plan
+
+    monkeypatch.setattr(ops, "build_plan", recording)
+    return refs
+
+
 def _rand(shape, seed, dtype=torch.float32):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
@@ -217,24 +235,15 @@ def test_forward_lse_is_the_rows_log_sum_exp(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_backward_takes_the_forwards_plan(device, monkeypatch, fused_calls):
+def test_backward_takes_the_forwards_plan(device, monkeypatch, fused_calls, plan_refs):
     """Without tail or gate the backward reuses the plan the forward built (handed to the autograd
     node) instead of rebuilding it, also in a second backward of a retained graph, and its
     gradients equal those of a rebuilt plan; the plan is freed with the graph."""
     import gc
-    import weakref
     import solattn.ops as ops
     q, k, v = make_qkv(1, 192, 2, 32, dtype=torch.float16, device=device, seed=5)
     w = _rand(q.shape, 6).to(device)
-    built = []
-    real = ops.build_plan
-
-    def counting(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        built.append(weakref.ref(plan))
-        return plan
-
-    monkeypatch.setattr(ops, "build_plan", counting)       # forward and backward plans go through it
+    built = plan_refs
 
     def forward():
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
@@ -265,25 +274,15 @@ def test_backward_takes_the_forwards_plan(device, monkeypatch, fused_calls):
         assert torch.equal(a, b)
 
 
-def test_forward_without_backward_keeps_no_plan(monkeypatch):
+def test_forward_without_backward_keeps_no_plan(monkeypatch, plan_refs):
     """A grad-enabled forward whose graph is dropped without a backward (activation checkpointing,
     an evaluation pass) leaves no plan behind."""
     import gc
-    import weakref
-    import solattn.ops as ops
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if not INTERPRETER_OK:
         pytest.skip("the interpreter needs triton >= 3.9")
     q, k, v = make_qkv(1, 192, 2, 32, dtype=torch.float16, seed=8)
-    refs = []
-    real = ops.build_plan
-
-    def recording(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        refs.append(weakref.ref(plan))
-        return plan
-
-    monkeypatch.setattr(ops, "build_plan", recording)
+    refs = plan_refs
     for _ in range(3):
         out = solattn.sol_attn(q.clone().requires_grad_(True), k, v, topk_ratio=0.5, tail=False, backend="triton")
         del out

@@ -6,6 +6,7 @@ import csv
 import datetime as _dt
 import os
 import platform
+from pathlib import Path
 from typing import Dict, List
 
 import torch
@@ -125,6 +126,15 @@ def markdown_table(rows: List[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(table_cells(r, _tera(rows))) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def publish(lines: List[str], path: str) -> str:
+    """A benchmark script's markdown report: printed, and written to ``path`` (folders made)."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
+    return text
 
 
 def write_csv(rows: List[dict], path: str) -> None:
