@@ -268,3 +268,13 @@ def test_terminal_table_explains_its_columns(tmp_path, capsys):
         assert f"\n  {head} " in legend, head
     md = (tmp_path / "bench.md").read_text()
     assert "- `peak MiB`: extra memory" in md                   # the same legend in bench.md
+
+
+def test_timed_rounds_rotate_the_order():
+    """Every contender leads once per cycle of rounds and each round holds every contender once."""
+    from solattn.bench.runner import round_order
+    names = ["dense", "triton", "sdpa", "comfy-kitchen"]
+    orders = [round_order(names, r) for r in range(len(names))]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert [o[0] for o in orders] == names
+    assert round_order(names, len(names)) == names and round_order([], 3) == []

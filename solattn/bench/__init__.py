@@ -11,8 +11,9 @@ One backend on one problem ``(B, T, H, D, dtype, topk_ratio, tail, coarse_gate)`
 
 - ``time_ms``: median of ``--repeats`` timed calls after ``--warmup`` untimed ones, with the
   device synchronised around each call (CUDA: events; XPU/MPS: ``synchronize`` + ``perf_counter``;
-  CPU: ``perf_counter``). The timed calls are interleaved: each round runs dense, then every
-  backend, once, so a drift in machine load hits all of them alike. A sparse row is the whole
+  CPU: ``perf_counter``). The timed calls are interleaved: each round runs dense and every
+  backend once, the order rotated by one each round, so a drift in machine load hits all of them
+  alike and no row always follows the same other one. A sparse row is the whole
   ``sol_attn(..., backend=name)`` call, routing plan included; ``plan_ms`` is the median time of
   ``build_plan`` alone (part of ``time_ms``). The dense row is ``F.scaled_dot_product_attention``
   on contiguous ``(B, H, T, D)`` copies of the same inputs (no layout copy is timed): the same

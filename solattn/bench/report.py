@@ -81,8 +81,8 @@ LEGEND = [
     ("plan ms", "the routing plan alone (the one this backend runs from: the fused Triton plan where "
                 "triton takes it, else build_plan's torch path), part of time ms (n/a for comfy-kitchen, "
                 "which routes inside its own call)"),
-    ("vs dense", "speed-up: dense time / this row's time, median over rounds (each round runs dense, "
-                 "then every backend, once)"),
+    ("vs dense", "speed-up: dense time / this row's time, median over rounds (each round runs dense "
+                 "and every backend once, in an order rotated each round)"),
     ("peak MiB", "extra memory one call needed beyond what was held before it, output included; "
                  "a leading ≥ marks CPU resident-set sampling, a lower bound; n/a: not measured on "
                  "this device"),

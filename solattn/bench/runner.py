@@ -36,6 +36,16 @@ def _prepare(fn: Callable[[], torch.Tensor], cfg: Config):
     return measure_peak(fn, cfg.device)
 
 
+def round_order(names: List[str], rnd: int) -> List[str]:
+    """The order of the contenders in timed round ``rnd``: rotated by one each round, so that no
+    contender always runs right after the same other one (on an H200 the row after dense SDPA
+    measured up to 1.8 ms slower at H3 than the same call later in the round)."""
+    if not names:
+        return []
+    r = rnd % len(names)
+    return names[r:] + names[:r]
+
+
 def graphed(call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """``call`` made inside its own :func:`solattn.graphs.cuda_graphs` scope: the first call
     captures (after a warm-up run), later calls replay; under no_grad, as every timed call is."""
@@ -152,8 +162,8 @@ def run(cfg: Config) -> List[dict]:
 
                 times: Dict[str, List[float]] = {name: [] for name in contenders}
                 for rnd in range(cfg.repeats):
-                    for name, (fn, *_rest) in contenders.items():
-                        times[name].extend(time_calls(fn, dev, 1))
+                    for name in round_order(list(contenders), rnd):
+                        times[name].extend(time_calls(contenders[name][0], dev, 1))
                     log(f"{tag} round {rnd + 1}/{cfg.repeats}: " + ", ".join(
                         f"{name} {times[name][-1]:.1f} ms" for name in contenders))
 
