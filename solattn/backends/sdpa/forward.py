@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -102,8 +102,8 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
             span = max(step, slice_budget // slice_bytes_per_row(shape) // step * step)
             for s0 in range(cuts[e], cuts[e + 1], span):
                 sl = _prepare(call, g, g.rows[s0:min(s0 + span, cuts[e + 1])], shape, kv)
-                for r0 in range(0, sl.N, step):
-                    out = _attend_rows(call, g, sl, r0, min(r0 + step, sl.N), shape, out, kv)
+                for chunk in sl.split(step):
+                    out = _attend_rows(call, g, chunk, shape, out, kv)
                 del sl
         del kv
     if plan.coarse is not None and p.coarse_gate is not None:
@@ -127,6 +127,20 @@ class _Slice:
     kv_idx: Optional[torch.Tensor]     # (N, count [+ 1]) block numbers in the run's BlockTables
     tail: Optional["_TailRows"] = None
 
+    def split(self, step: int) -> List["_Slice"]:
+        """The slice cut into chunks of ``step`` rows: one ``split`` per table for the whole slice
+        (each chunk's rows are then views at no further dispatch; slicing every table once per
+        chunk made small problems host bound). A slice of one chunk is returned as it is."""
+        if self.N <= step:
+            return [self]
+        parts = [None if t is None else t.split(step)
+                 for t in (self.rows, self.b, self.h, self.i, self.blocks, self.q_rows, self.out_rows,
+                           self.q_dead, self.kv_idx)]
+        tails = self.tail.split(step) if self.tail is not None else None
+        return [_Slice(parts[0][c].shape[0], *(None if p is None else p[c] for p in parts),
+                       tail=None if tails is None else tails[c])
+                for c in range(len(parts[0]))]
+
 
 def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv) -> _Slice:
     H, n = call.p.H, call.p.n
@@ -144,36 +158,36 @@ def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv) -> _S
                   out_rows=out_rows, q_dead=q_dead, kv_idx=kv_idx, tail=tail)
 
 
-def _attend_rows(call: _Call, g: Group, sl: _Slice, r0: int, r1: int, s: ChunkShape,
-                 out: torch.Tensor, kv=None) -> torch.Tensor:
-    """One SDPA call for rows ``[r0, r1)`` of slice ``sl`` of group ``g``; writes their output rows.
+def _attend_rows(call: _Call, g: Group, sl: _Slice, s: ChunkShape, out: torch.Tensor, kv=None) -> torch.Tensor:
+    """One SDPA call for the rows of chunk ``sl`` (see :meth:`_Slice.split`) of group ``g``; writes
+    their output rows.
     ``kv``: the key and value :class:`BlockTable` holding these rows' pairs, or None (gather rows).
 
     With autograd recording, the chunk is a checkpoint: autograd keeps none of its gathered keys
     and values (which, over every chunk, would be the kept fraction of a T x T x D tensor: tens of
     GB at B=1, T=37296, H=56) and gathers them again, one chunk at a time, in the backward pass."""
     if call.work.enabled:
-        o = _chunk_output(call, g, sl, r0, r1, s, kv)
+        o = _chunk_output(call, g, sl, s, kv)
     else:
-        o = checkpoint(_chunk_output, call, g, sl, r0, r1, s, kv, use_reentrant=False,
+        o = checkpoint(_chunk_output, call, g, sl, s, kv, use_reentrant=False,
                        preserve_rng_state=False)                # nothing random inside
-    out.view(-1, call.p.D).index_copy_(0, sl.out_rows[r0:r1].reshape(-1), o.reshape(-1, call.p.D))
+    out.view(-1, call.p.D).index_copy_(0, sl.out_rows.reshape(-1), o.reshape(-1, call.p.D))
     return out
 
 
-def _chunk_output(call: _Call, g: Group, sl: _Slice, r0: int, r1: int, s: ChunkShape, kv) -> torch.Tensor:
-    """The ``(nr, Lq, D)`` attention output of rows ``[r0, r1)`` of ``sl`` (see :func:`_attend_rows`)."""
+def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch.Tensor:
+    """The ``(nr, Lq, D)`` attention output of the rows of chunk ``sl`` (see :func:`_attend_rows`)."""
     p, work = call.p, call.work
     count = g.count
-    b, h, blocks = sl.b[r0:r1], sl.h[r0:r1], sl.blocks[r0:r1]
+    b, h, blocks = sl.b, sl.h, sl.blocks
 
-    q = call.q.gather(sl.q_rows[r0:r1], work, "q")                          # (nr, Lq, D)
+    q = call.q.gather(sl.q_rows, work, "q")                          # (nr, Lq, D)
     if sl.q_dead is not None:                    # dead rows enter nothing, even holding NaN
-        q = zero_dead(q, sl.q_dead[r0:r1])
+        q = zero_dead(q, sl.q_dead)
     if kv is not None:                           # whole blocks; dead rows already zero
         extra = TAIL_ROWS if s.tail else 0
-        k = kv[0].take(sl.kv_idx[r0:r1], count, extra, work, "gk")           # (nr, L, D)
-        v = kv[1].take(sl.kv_idx[r0:r1], count, extra, work, "gv")
+        k = kv[0].take(sl.kv_idx, count, extra, work, "gk")           # (nr, L, D)
+        v = kv[1].take(sl.kv_idx, count, extra, work, "gv")
     else:
         k_rows = call.k.block_rows(b, h, blocks)                             # (nr, count * 64)
         v_rows = (call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides
@@ -193,7 +207,7 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, r0: int, r1: int, s: ChunkS
     if g.masked:
         if s.tail:
             base = None if call.slot_bias is None else _key_bias_rows(call, b, blocks)
-            k, v, mask, dead = _append_tail(call, q, k, v, base, sl.tail[r0:r1], zeroed=kv is not None)
+            k, v, mask, dead = _append_tail(call, q, k, v, base, sl.tail, zeroed=kv is not None)
         else:
             base = _key_bias_rows(call, b, blocks)                           # (nr, count * 64) fp32
             dead = torch.isneginf(base).all(dim=1)[:, None]                  # (nr, 1)
@@ -229,9 +243,11 @@ class _TailRows:
     exact_entry: torch.Tensor          # (N,) mask dtype: every unbiased exact key's entry
     entry: Optional[torch.Tensor]      # (N,) mask dtype: the tail's entry, when one per block
 
-    def __getitem__(self, sl: slice) -> "_TailRows":
-        return _TailRows(*(None if t is None else t[sl] for t in
-                           (self.m, self.m_key, self.value, self.lse, self.exact_entry, self.entry)))
+    def split(self, step: int) -> List["_TailRows"]:
+        """Chunks of ``step`` rows (see :meth:`_Slice.split`)."""
+        parts = [None if t is None else t.split(step)
+                 for t in (self.m, self.m_key, self.value, self.lse, self.exact_entry, self.entry)]
+        return [_TailRows(*(None if p is None else p[c] for p in parts)) for c in range(len(parts[0]))]
 
 
 def _tail_rows(call: _Call, b, h, i, block_residual: Optional[torch.Tensor]) -> _TailRows:
