@@ -34,7 +34,7 @@ from solattn.backends.triton.kernel import (  # noqa: E402
 @gpu_jit
 def half_loop(
     Q, K, V, Out, Gate,
-    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse,
+    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse, Resid,
     sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd, sgb, sgt, sgh, sgd,
     s_bias_b, T, H, n_blocks, max_blocks, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,

@@ -280,3 +280,22 @@ def test_reasons(monkeypatch):
     assert BACKEND.availability_reasons("mps")
     with pytest.raises(ValueError, match="plan"):
         BACKEND.forward(validate(q, k, v), None)
+
+
+def test_benchmark_variants_take_the_production_kernels_arguments():
+    """benchmarks/kernel_variants.py launches its diagnostic kernel through the backend's own
+    run_kernel: its signature must follow the production kernel's (it broke once when the
+    forward gained an argument). Outputs are wrong by design; shape and finiteness are checked."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    try:
+        import kernel_variants
+    finally:
+        sys.path.pop(0)
+    q, k, v = make_qkv(1, 200, 1, 32, dtype=torch.float16, seed=1)
+    problem = validate(q, k, v, topk_ratio=0.5)
+    plan = build_plan(problem)
+    for name in kernel_variants.VARIANTS:
+        out = kernel_variants.run_variant(name, problem, plan, KernelConfig())
+        assert out.shape == q.shape and torch.isfinite(out).all(), name
