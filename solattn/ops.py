@@ -108,14 +108,19 @@ class _PlanHandoff:
 PLANS = _PlanHandoff()
 
 
+def has_block_terms(problem: Problem) -> bool:
+    """Whether the plan of ``problem`` has terms that carry gradients (the tail, the coarse branch):
+    the fused backward then rebuilds the plan with autograd instead of reusing the forward's."""
+    return problem.tail or problem.coarse_gate is not None
+
+
 def run_for_backward(chosen, problem: Problem, plan, lse: Tensor, resid: Tensor) -> Tuple[Tensor, Tensor]:
     """Run the chosen backend; on ``triton`` with :func:`backward_buffers`, also fill them. Returns
     the output and a CPU int64 flag: 0 when the fused backward does not apply, else a
     :data:`PLANS` token (the plan waits under it when it has no differentiable block terms)."""
     if isinstance(chosen, TritonBackend) and lse.numel():
         out = chosen.forward(problem, plan, lse=lse, resid=resid)
-        keep = not (problem.tail or problem.coarse_gate is not None)
-        return out, torch.tensor(PLANS.put(plan if keep else None), dtype=torch.int64)
+        return out, torch.tensor(PLANS.put(None if has_block_terms(problem) else plan), dtype=torch.int64)
     return chosen.forward(problem, plan), torch.zeros((), dtype=torch.int64)
 
 
@@ -133,7 +138,7 @@ def fused_grads(problem_of: Callable, make_plan: Callable, inputs, out: Tensor, 
                                    bias_grad, None, saved)
     from .backends.triton.backward import fused_backward, grads_through_plan
     probe = problem_of(*inputs)
-    block_terms = probe.tail or probe.coarse_gate is not None    # the plan's terms carry gradients
+    block_terms = has_block_terms(probe)
     if block_terms:
         leaves = [t.detach().requires_grad_(True) for t in inputs]
         with torch.enable_grad():
