@@ -133,13 +133,18 @@ class _Slice:
         chunk made small problems host bound). A slice of one chunk is returned as it is."""
         if self.N <= step:
             return [self]
-        parts = [None if t is None else t.split(step)
-                 for t in (self.rows, self.b, self.h, self.i, self.blocks, self.q_rows, self.out_rows,
-                           self.q_dead, self.kv_idx)]
-        tails = self.tail.split(step) if self.tail is not None else None
-        return [_Slice(parts[0][c].shape[0], *(None if p is None else p[c] for p in parts),
-                       tail=None if tails is None else tails[c])
-                for c in range(len(parts[0]))]
+        chunks = _split_rows((self.rows, self.b, self.h, self.i, self.blocks, self.q_rows, self.out_rows,
+                              self.q_dead, self.kv_idx), step)
+        tails = self.tail.split(step) if self.tail is not None else [None] * len(chunks)
+        return [_Slice(tables[0].shape[0], *tables, tail=tail) for tables, tail in zip(chunks, tails)]
+
+
+def _split_rows(tables, step: int) -> List[tuple]:
+    """Row tables (tensors with rows first, or None) cut into chunks of ``step`` rows: one tuple
+    of views (None stays None) per chunk, one ``split`` call per table."""
+    parts = [None if t is None else t.split(step) for t in tables]
+    count = len(next(p for p in parts if p is not None))
+    return [tuple(None if p is None else p[c] for p in parts) for c in range(count)]
 
 
 def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv) -> _Slice:
@@ -245,9 +250,8 @@ class _TailRows:
 
     def split(self, step: int) -> List["_TailRows"]:
         """Chunks of ``step`` rows (see :meth:`_Slice.split`)."""
-        parts = [None if t is None else t.split(step)
-                 for t in (self.m, self.m_key, self.value, self.lse, self.exact_entry, self.entry)]
-        return [_TailRows(*(None if p is None else p[c] for p in parts)) for c in range(len(parts[0]))]
+        return [_TailRows(*tables) for tables in
+                _split_rows((self.m, self.m_key, self.value, self.lse, self.exact_entry, self.entry), step)]
 
 
 def _tail_rows(call: _Call, b, h, i, block_residual: Optional[torch.Tensor]) -> _TailRows:
