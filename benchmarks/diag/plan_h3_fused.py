@@ -1,0 +1,140 @@
+"""Where the fused routing plan's time goes at H3 (B=1, T=37296, H=56, D=128, bf16) on a GPU,
+against the torch plan, and what the whole ``sol_attn`` call costs with either plan.
+
+For each mode (top-k 10 %, top-k 20 %, tau 1 + tail) it prints: the torch plan's time, the fused
+plan's time per ``tl.dot`` precision and its per-kernel GPU times, whether the fused selection
+equals the torch plan's (rows whose block sets differ; 0 expected on these well separated
+inputs), the tail terms' difference, and end-to-end ``sol_attn`` (triton backend) with the torch
+plan (today's default above ``FUSED_MAX_SCORES``) and with the fused plan forced, next to dense
+SDPA and the kernel alone. Then the seed shape's host time per call on a CUDA-graph hit.
+
+    python benchmarks/diag/plan_h3_fused.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import solattn  # noqa: E402
+from solattn.backends.triton import backend as tb  # noqa: E402
+from solattn.bench.timing import time_calls  # noqa: E402
+from solattn.routing import build_plan, fused  # noqa: E402
+from solattn.testing import make_qkv, rel_l2  # noqa: E402
+from solattn.validation import validate  # noqa: E402
+
+dev = torch.device("cuda")
+MODES = (("top-k 10 %", dict(topk_ratio=0.1, tail=False)),
+         ("top-k 20 %", dict(topk_ratio=0.2, tail=False)),
+         ("tau 1 + tail", dict(tau=1.0, tail=True)))
+
+
+def med(fn, n=20, warm=3):
+    return statistics.median(time_calls(fn, dev, n, warm))
+
+
+def kernel_table(fn):
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t, e.key[:60], e.count))
+    return ", ".join(f"{name} {t / 1e3:.3f} ms x{c}" for t, name, c in sorted(rows, reverse=True)[:6])
+
+
+def differing_rows(a, b):
+    return int((a.dense_mask() != b.dense_mask()).any(-1).sum())
+
+
+def h3():
+    q, k, v = make_qkv(1, 37296, 56, 128, dtype=torch.bfloat16, device=dev, seed=0)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    dense = med(lambda: F.scaled_dot_product_attention(qt, kt, vt))
+    print(f"H3 dense SDPA {dense:.2f} ms", flush=True)
+    for label, kw in MODES:
+        problem = validate(q, k, v, **kw)
+        with torch.no_grad():
+            ref_plan = build_plan(problem)
+            t_torch = med(lambda: build_plan(problem), 10, 2)
+            print(f"\n## H3 {label}: torch plan {t_torch:.3f} ms, kernels: {kernel_table(lambda: build_plan(problem))}",
+                  flush=True)
+            for prec in ("ieee", "tf32x3", "tf32"):
+                fused.DOT_PRECISION = prec
+                try:
+                    fp = fused.fused_plan(problem)
+                    diff = differing_rows(fp, ref_plan)
+                    tail = ""
+                    if problem.tail:
+                        tail = (f", tail_value rel {rel_l2(fp.tail_value, ref_plan.tail_value):.1e}"
+                                f" tail_lse max |d| {(fp.tail_lse - ref_plan.tail_lse).abs().nan_to_num(0).max():.1e}")
+                    t = med(lambda: fused.fused_plan(problem), 10, 2)
+                    print(f"fused plan [{prec}]: {t:.3f} ms, rows differing from torch plan {diff}{tail}; "
+                          f"kernels: {kernel_table(lambda: fused.fused_plan(problem))}", flush=True)
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    print(f"fused plan [{prec}]: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            fused.DOT_PRECISION = "ieee"
+            ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw)
+            t_kernel = med(lambda: tb.launch(problem, ref_plan))
+
+            def call():
+                return solattn.sol_attn(q, k, v, backend="triton", **kw)
+            e_torch, t_e2e_torch = rel_l2(call().float(), ref), med(call)
+            old = fused.FUSED_MAX_SCORES
+            fused.FUSED_MAX_SCORES = 1 << 40
+            try:
+                e_fused, t_e2e_fused = rel_l2(call().float(), ref), med(call)
+                fused.DOT_PRECISION = "tf32x3"
+                e_fx3, t_e2e_fx3 = rel_l2(call().float(), ref), med(call)
+            finally:
+                fused.FUSED_MAX_SCORES = old
+                fused.DOT_PRECISION = "ieee"
+            del ref
+        print(f"kernel alone {t_kernel:.2f} ms ({dense / t_kernel:.2f}x dense); e2e torch plan {t_e2e_torch:.2f} ms "
+              f"({dense / t_e2e_torch:.2f}x, err {e_torch:.2e}); e2e fused plan ieee {t_e2e_fused:.2f} ms "
+              f"({dense / t_e2e_fused:.2f}x, err {e_fused:.2e}); fused tf32x3 {t_e2e_fx3:.2f} ms "
+              f"({dense / t_e2e_fx3:.2f}x, err {e_fx3:.2e})", flush=True)
+
+
+def seed_host():
+    q, k, v = make_qkv(2, 4056, 16, 128, dtype=torch.bfloat16, device=dev, seed=0)
+    for label, kw in (MODES[0], MODES[2]):
+        def call():
+            return solattn.sol_attn(q, k, v, backend="triton", **kw)
+        with torch.no_grad(), solattn.cuda_graphs():
+            for _ in range(3):
+                call()
+            t = med(call, 200, 10)
+            pr = cProfile.Profile()
+            torch.cuda.synchronize()
+            pr.enable()
+            for _ in range(300):
+                call()
+            pr.disable()
+            torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
+        print(f"\n## seed {label} cuda_graphs e2e {t:.3f} ms; host profile of 300 hits:\n{s.getvalue()}", flush=True)
+
+
+if __name__ == "__main__":
+    print(torch.__version__, torch.cuda.get_device_name(), open("COMMIT").read().strip() if Path("COMMIT").exists() else "")
+    what = sys.argv[1:] or ["h3", "seed"]
+    if "seed" in what:
+        seed_host()
+    if "h3" in what:
+        h3()
