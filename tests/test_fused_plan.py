@@ -103,6 +103,29 @@ def test_topk_ties_select_more_than_k():
     assert (got.kv_num_blocks == 8).all()
 
 
+@pytest.mark.parametrize("ratio", [0.25, 0.4])
+def test_topk_threshold_with_partial_ties(ratio):
+    # scores c * a_i * (s_j - mean s) with repeated s_j: depending on the row's sign the k-th
+    # largest score is unique (the bisection may stop as soon as exactly k keys are above it) or
+    # tied with others (it must run until lo is the k-th key and keep every tie); a_i = 0 ties
+    # every block. Every value is exact in fp32, so both plans see identical scores.
+    s = [0, 1, 2, 2, 2, 3, 4, 5, 5, 6, 7, 8, 9, 9, 9, 10]
+    a = [1, -1, 0, 2, -0.5, 1, -3, 0.25, -1, 1, 0, -2, 4, -4, 1, -1]
+    n, D = len(s), 16
+    q = torch.zeros(1, n * 64, 1, D)
+    k = torch.zeros(1, n * 64, 1, D)
+    for j in range(n):
+        q[:, j * 64:(j + 1) * 64, 0, 0] = a[j]
+        k[:, j * 64:(j + 1) * 64, 0, 0] = s[j]
+    v = torch.randn(1, n * 64, 1, D, generator=torch.Generator().manual_seed(0))
+    got, want = _compare(validate(q, k, v, topk_ratio=ratio, tail=True), clear=False)
+    counts = got.kv_num_blocks[0, 0].tolist()
+    assert counts[2] == n and counts[10] == n, "a row of equal scores keeps every block"
+    kk = solattn.routing.select.topk_count(ratio, n)
+    assert min(counts) >= kk and max(c for c, x in zip(counts, a) if x != 0) > kk + 1, \
+        "some row keeps more than k + forced blocks: a tie at its threshold"
+
+
 def test_sol_attn_triton_uses_fused_plan_and_matches_torch_plan(monkeypatch):
     q, k, v = make_qkv(2, 400, 2, 64, dtype=torch.bfloat16, seed=9)
     gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(4)).to(q.dtype)
@@ -135,3 +158,16 @@ def test_not_used_with_autograd_or_off_the_interpreter(monkeypatch):
     problem = validate(q, k, v, topk_ratio=0.3)
     assert not fused.fused_plan_usable(problem)
     assert build_plan(problem, fused=True).kv_indices.shape[-1] == int(build_plan(problem).kv_num_blocks.max())
+
+
+def test_dot_precision_follows_the_device(monkeypatch):
+    # exact fp32 products where TF32 tensor cores are missing (and in the interpreter), the split
+    # tf32x3 products on compute capability 8.0+; an explicit setting wins
+    monkeypatch.setattr(fused, "DOT_PRECISION", None)
+    assert fused.dot_precision(torch.device("cpu")) == "ieee"
+    cuda = torch.device("cuda", 0)
+    for cap, want in (((7, 5), "ieee"), ((8, 0), "tf32x3"), ((9, 0), "tf32x3")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert fused.dot_precision(cuda) == want
+    monkeypatch.setattr(fused, "DOT_PRECISION", "ieee")
+    assert fused.dot_precision(cuda) == "ieee"

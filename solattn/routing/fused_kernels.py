@@ -21,7 +21,8 @@ def gpu_jit(fn):
 def means_kernel(Q, K, V, BlockLen, Qm, Km, Vm, Lout,
                  sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd,
                  T, H, n,
-                 HAS_BLOCK_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_BLOCK_LEN: tl.constexpr, NEED_V: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK: tl.constexpr):
     j = tl.program_id(0)
     g = tl.program_id(1)
     b = (g // H).to(tl.int64)
@@ -39,13 +40,13 @@ def means_kernel(Q, K, V, BlockLen, Qm, Km, Vm, Lout,
     qs = tl.sum(x.to(tl.float32), 0)
     x = tl.load(K + b * skb + h * skh + tok[:, None] * skt + dims[None, :] * skd, mask=live, other=0.0)
     ks = tl.sum(x.to(tl.float32), 0)
-    x = tl.load(V + b * svb + h * svh + tok[:, None] * svt + dims[None, :] * svd, mask=live, other=0.0)
-    vs = tl.sum(x.to(tl.float32), 0)
     Lf = L.to(tl.float32)
     out = (g.to(tl.int64) * n + j) * HEAD_DIM + dims
     tl.store(Qm + out, qs / Lf)
     tl.store(Km + out, ks / Lf)
-    tl.store(Vm + out, vs / Lf)
+    if NEED_V:  # value means feed the tail and coarse terms only
+        x = tl.load(V + b * svb + h * svh + tok[:, None] * svt + dims[None, :] * svd, mask=live, other=0.0)
+        tl.store(Vm + out, tl.sum(x.to(tl.float32), 0) / Lf)
     if g == 0:
         tl.store(Lout + j, L)
 
@@ -121,15 +122,24 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             r = tl.load(Scratch + (gn + rr)[:, None] * n + allc[None, :],
                         mask=rok[:, None] & cand_ok[None, :], other=0.0)
             key = order_key(r)
-            lo = tl.full([RB], -2147483648, tl.int64)
-            hi = tl.full([RB], 2147483648, tl.int64)
-            # invariant: count(key >= lo) >= kk > count(key >= hi); 32 halvings leave lo = the key
-            for _ in range(32):
+            # bisection between the row's smallest and largest candidate keys, with the
+            # invariant cnt_lo = count(key >= lo) >= kk > count(key >= hi). A row is settled when
+            # cnt_lo == kk (key >= lo is then exactly its kk largest: the same set as ">= the
+            # kk-th largest", as no candidate lies in between) or hi == lo + 1 (lo is the kk-th
+            # largest key, ties included). Random scores settle in about half of the 32 halvings
+            # a full int32 range takes; the loop ends when all RB rows have.
+            lo = tl.min(tl.where(cand_ok[None, :], key, 2147483647), 1).to(tl.int64)
+            hi = tl.max(tl.where(cand_ok[None, :], key, -2147483648), 1).to(tl.int64) + 1
+            cnt_lo = tl.zeros([RB], tl.int32) + tl.sum(cand_ok.to(tl.int32), 0)
+            unsettled = tl.sum(((cnt_lo != kk) & (hi - lo > 1)).to(tl.int32), 0)
+            while unsettled > 0:
                 mid = (lo + hi) >> 1
                 cnt = tl.sum(((key >= mid.to(tl.int32)[:, None]) & cand_ok[None, :]).to(tl.int32), 1)
                 ge = cnt >= kk
                 lo = tl.where(ge, mid, lo)
+                cnt_lo = tl.where(ge, cnt, cnt_lo)
                 hi = tl.where(ge, hi, mid)
+                unsettled = tl.sum(((cnt_lo != kk) & (hi - lo > 1)).to(tl.int32), 0)
             tl.store(Theta + gn + rr, lo.to(tl.int32), mask=rok)
         tl.debug_barrier()
         theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)
