@@ -118,6 +118,32 @@ def h3():
               f"({dense / t_e2e_fused:.2f}x, err {e_fused:.2e})", flush=True)
 
 
+SWEEP = ({}, dict(select_warps=4), dict(select_warps=2), dict(select_warps=1),
+         dict(block_i=16, select_warps=4), dict(block_i=16, select_warps=2), dict(block_i=16, select_warps=1),
+         dict(block_i=32, select_warps=2), dict(block_i=64, select_warps=4), dict(bj=64, select_warps=4),
+         dict(bj=64, block_i=16, select_warps=2), dict(rb=16, block_i=16, select_warps=2),
+         dict(block_i=16, select_warps=4, select_stages=1), dict(means_warps=2), dict(means_warps=1))
+
+
+def sweep():
+    """Fused-plan launch parameters at H3 and the seed shape (plan alone, median ms)."""
+    for shape in ((1, 37296, 56, 128), (2, 4056, 16, 128)):
+        q, k, v = make_qkv(*shape, dtype=torch.bfloat16, device=dev, seed=0)
+        for label, kw in (MODES[0], MODES[2]):
+            problem = validate(q, k, v, **kw)
+            with torch.no_grad(), torch.cuda.device(dev):
+                ref_plan = build_plan(problem)
+                print(f"\n## sweep {shape} {label}", flush=True)
+                for tuning in SWEEP:
+                    try:
+                        same = differing_rows(fused._fused_plan(problem, tuning), ref_plan)
+                        t = med(lambda: fused._fused_plan(problem, tuning), 20, 3)
+                        kt = kernel_table(lambda: fused._fused_plan(problem, tuning))
+                        print(f"  {tuning}: {t:.3f} ms, rows differing {same}; {kt}", flush=True)
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  {tuning}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+
 def seed_host():
     q, k, v = make_qkv(2, 4056, 16, 128, dtype=torch.bfloat16, device=dev, seed=0)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -145,6 +171,8 @@ def seed_host():
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), open("COMMIT").read().strip() if Path("COMMIT").exists() else "")
     what = sys.argv[1:] or ["h3", "seed"]
+    if "sweep" in what:
+        sweep()
     if "seed" in what:
         seed_host()
     if "h3" in what:

@@ -124,7 +124,8 @@ def fused_plan(problem: Problem) -> Plan:
 
 def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
-    ``means_warps``, ``block_i``, ``rb`` (rows per bisection tile) and ``select_warps``."""
+    ``means_warps``, ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
+    bisection tile), ``select_warps`` and ``select_stages``."""
     tuning = tuning or {}
     from ..backends.triton.kernel import compiled  # imports Triton
     from . import fused_kernels as fk
@@ -165,7 +166,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         sel = 1 if kk > 0 else 2
     # 32-row tiles halve the reads of the key and value means; 16 when that leaves few programs
     block_i = tuning.get("block_i", 16 if D > 128 or interpret or G * -(-n // 32) < 264 else 32)
-    bj = 64 if D <= 64 else 32
+    bj = tuning.get("bj", 64 if D <= 64 else 32)
     NP = _pow2(n)
     rb = tuning.get("rb", max(1, min(block_i, _SELECT_TILE_ELEMS // NP)))
     kv_num = torch.empty(G, n, dtype=i32, device=dev)
@@ -183,7 +184,8 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
         DOT=dot_precision(dev),
-        num_warps=tuning.get("select_warps", 8 if D >= 128 else 4))
+        num_warps=tuning.get("select_warps", 8 if D >= 128 else 4),
+        **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
 
     def bh(x: torch.Tensor) -> torch.Tensor:
         return x.view(B, H, *x.shape[1:])
