@@ -46,9 +46,8 @@ Constraints:
 * No autograd: a call with grad enabled and an input that requires grad runs eagerly.
 * A function that cannot be captured (a host sync such as ``.item()``, a CPU<->GPU copy)
   is reported once by a warning and runs eagerly from then on for that key. In ``sol_attn``
-  that is every call whose routing plan is not the fused one (the ``sdpa`` backend, or more
-  than ``solattn.routing.fused.FUSED_MAX_SCORES`` block scores): those are large enough not to
-  need graphs.
+  that is every call whose routing plan is not the fused one (the ``sdpa`` backend, or a
+  problem outside ``solattn.routing.fused.fused_plan_usable``, e.g. over its memory budget).
 * Thread safety: one lock per cache covers its bookkeeping, captures and replays (a
   replay is a few microseconds); eager calls run outside it. Captures are serialised
   process-wide, as CUDA graph capture requires.

@@ -5,7 +5,7 @@ For each mode (top-k 10 %, top-k 20 %, tau 1 + tail) it prints: the torch plan's
 plan's time per ``tl.dot`` precision and its per-kernel GPU times, whether the fused selection
 equals the torch plan's (rows whose block sets differ; 0 expected on these well separated
 inputs), the tail terms' difference, and end-to-end ``sol_attn`` (triton backend) with the torch
-plan (today's default above ``FUSED_MAX_SCORES``) and with the fused plan forced, next to dense
+plan forced (``fused_plan_usable`` patched to False) and with the fused plan, next to dense
 SDPA and the kernel alone. Then the seed shape's host time per call on a CUDA-graph hit.
 
     python benchmarks/diag/plan_h3_fused.py
@@ -105,13 +105,13 @@ def h3():
 
             def call():
                 return solattn.sol_attn(q, k, v, backend="triton", **kw)
-            e_torch, t_e2e_torch = rel_l2(call().float(), ref), med(call)
-            old = fused.FUSED_MAX_SCORES
-            fused.FUSED_MAX_SCORES = 1 << 40
+            e_fused, t_e2e_fused = rel_l2(call().float(), ref), med(call)
+            usable = fused.fused_plan_usable
+            fused.fused_plan_usable = lambda problem: False
             try:
-                e_fused, t_e2e_fused = rel_l2(call().float(), ref), med(call)
+                e_torch, t_e2e_torch = rel_l2(call().float(), ref), med(call)
             finally:
-                fused.FUSED_MAX_SCORES = old
+                fused.fused_plan_usable = usable
             del ref
         print(f"kernel alone {t_kernel:.2f} ms ({dense / t_kernel:.2f}x dense); e2e torch plan {t_e2e_torch:.2f} ms "
               f"({dense / t_e2e_torch:.2f}x, err {e_torch:.2e}); e2e fused plan {t_e2e_fused:.2f} ms "

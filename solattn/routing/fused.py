@@ -80,20 +80,17 @@ def fused_plan_bytes(problem: Problem) -> int:
     return G * n * n * per
 
 
-#: Largest routing-score count ``B H n^2`` for which a CUDA call takes the fused plan. Its
-#: fp32 (IEEE) block-level products grow as ``B H n^2 D`` while the torch plan is launch-bound
-#: at small sizes: on an H200 the fused plan took 0.17-0.30 ms against 1.0-1.5 ms at the seed
-#: shape (131k scores) and 3.3 ms against 2.7 ms at H3 (19M scores).
-FUSED_MAX_SCORES = 4 << 20
-
-
 def fused_plan_usable(problem: Problem) -> bool:
     """Whether :func:`fused_plan` can build ``problem``'s plan: a CUDA device (or the CPU under
     ``TRITON_INTERPRET=1``, for tests), Triton importable, no autograd graph to record (the
     tail and coarse terms are differentiable on the torch path only), a power-of-two head dim
     in 16..256, at most :data:`MAX_FUSED_BLOCKS` blocks, the width-n ``kv_indices`` (plus
-    the top-k scratch) within the ``sdpa`` memory budget, and on CUDA at most
-    :data:`FUSED_MAX_SCORES` routing scores (where it is the faster plan)."""
+    the top-k scratch) within the ``sdpa`` memory budget.
+
+    On an H200 the fused plan is the faster one at every size measured (bf16, D=128): at the seed
+    shape (B=2, T=4056, H=16) its kernels take 0.05-0.07 ms of GPU time against the torch plan's
+    1.0 ms of mostly launch-bound work, and at H3 (B=1, T=37296, H=56) 1.1 ms against 2.4-2.8 ms
+    (``benchmarks/diag/plan_h3_fused.py``)."""
     dev = problem.device.type
     if not (dev == "cuda" or (dev == "cpu" and _interpreting())):
         return False
@@ -101,8 +98,6 @@ def fused_plan_usable(problem: Problem) -> bool:
         return False
     D = problem.D
     if D < 16 or D > 256 or D & (D - 1):
-        return False
-    if dev == "cuda" and problem.B * problem.H * problem.n * problem.n > FUSED_MAX_SCORES:
         return False
     return problem.n <= MAX_FUSED_BLOCKS and fused_plan_bytes(problem) <= current_budget("sdpa")
 
@@ -148,7 +143,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     compiled(interpret, fk.means_kernel)[(n, G)](
         q, k, v, problem.block_len if has_len else L, qm, km, vm, L,
         *q.stride(), *k.stride(), *v.stride(), T, H, n,
-        HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 4))
+        HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 2))
 
     tau_mode = problem.topk_ratio == 0.0
     m = torch.empty(G, D, dtype=f32, device=dev)
@@ -164,8 +159,10 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     else:
         kk = topk_count(problem.topk_ratio, n - (s1 - s0))
         sel = 1 if kk > 0 else 2
-    # 32-row tiles halve the reads of the key and value means; 16 when that leaves few programs
-    block_i = tuning.get("block_i", 16 if D > 128 or interpret or G * -(-n // 32) < 264 else 32)
+    # launch parameters from a sweep on an H200 at D=128 (benchmarks/diag/plan_h3_fused.py sweep):
+    # 16-row tiles in 4 warps ran the select kernel in 0.68-0.77 ms at H3 against 0.91-1.20 ms
+    # with the former 32 rows in 8 warps; 2 warps per means program read q and k at 3.8 TB/s
+    block_i = tuning.get("block_i", 16)
     bj = tuning.get("bj", 64 if D <= 64 else 32)
     NP = _pow2(n)
     rb = tuning.get("rb", max(1, min(block_i, _SELECT_TILE_ELEMS // NP)))
@@ -184,7 +181,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
         DOT=dot_precision(dev),
-        num_warps=tuning.get("select_warps", 8 if D >= 128 else 4),
+        num_warps=tuning.get("select_warps", 4),
         **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
 
     def bh(x: torch.Tensor) -> torch.Tensor:
