@@ -160,9 +160,14 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         kk = topk_count(problem.topk_ratio, n - (s1 - s0))
         sel = 1 if kk > 0 else 2
     # launch parameters from a sweep on an H200 at D=128 (benchmarks/diag/plan_h3_fused.py sweep):
-    # 16-row tiles in 4 warps ran the select kernel in 0.68-0.77 ms at H3 against 0.91-1.20 ms
-    # with the former 32 rows in 8 warps; 2 warps per means program read q and k at 3.8 TB/s
-    block_i = tuning.get("block_i", 16)
+    # with tf32x3 products, 16-row tiles in 4 warps ran the select kernel in 0.68-0.77 ms at H3
+    # against 0.91-1.20 ms with 32 rows in 8 warps; with IEEE products (FMA, no tensor cores) 4
+    # warps took 7.8 ms in tau mode with the tail, so those keep 8 warps (2.3-2.5 ms) and the
+    # 32-row tiles that halve the reads of the key and value means where programs are plentiful.
+    # 2 warps per means program read q and k at 3.8 TB/s.
+    precision = dot_precision(dev)
+    ieee = precision == "ieee"
+    block_i = tuning.get("block_i", 16 if not ieee or D > 128 or interpret or G * -(-n // 32) < 264 else 32)
     bj = tuning.get("bj", 64 if D <= 64 else 32)
     NP = _pow2(n)
     rb = tuning.get("rb", max(1, min(block_i, _SELECT_TILE_ELEMS // NP)))
@@ -180,8 +185,8 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
-        DOT=dot_precision(dev),
-        num_warps=tuning.get("select_warps", 4),
+        DOT=precision,
+        num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
 
     def bh(x: torch.Tensor) -> torch.Tensor:
