@@ -154,6 +154,11 @@ def test_not_used_with_autograd_or_off_the_interpreter(monkeypatch):
     assert not fused.fused_plan_usable(validate(qg, k, v, topk_ratio=0.3))
     q48 = torch.randn(1, 200, 1, 48)
     assert not fused.fused_plan_usable(validate(q48, q48, q48, topk_ratio=0.3))
+    # past MAX_FUSED_BLOCKS key blocks the torch plan takes over (expanded views: no memory)
+    long = torch.zeros(1, 1, 1, 16).expand(1, 64 * fused.MAX_FUSED_BLOCKS + 1, 1, 16)
+    assert validate(long, long, long, topk_ratio=0.3).n == fused.MAX_FUSED_BLOCKS + 1
+    assert not fused.fused_plan_usable(validate(long, long, long, topk_ratio=0.3))
+    assert fused.fused_plan_usable(validate(long[:, :-1], long[:, :-1], long[:, :-1], topk_ratio=0.3))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     problem = validate(q, k, v, topk_ratio=0.3)
     assert not fused.fused_plan_usable(problem)

@@ -59,8 +59,12 @@ def dot_precision(device: torch.device) -> str:
         return "tf32x3"
     return "ieee"
 
-#: largest n (key blocks) the fused plan takes; beyond it the torch plan chunks the work
-MAX_FUSED_BLOCKS = 16384
+#: largest n (key blocks) the fused plan takes (T = 524288 tokens); beyond it the torch plan
+#: chunks the work. The select kernel's bisection holds whole rows of n scores (padded to a power
+#: of two) in tiles of ``_SELECT_TILE_ELEMS``: up to 8192 blocks a tile is that size whatever n
+#: (fewer rows of wider scores), beyond it a single row would be wider. Run on an H200 up to
+#: n = 583 (H3, 1024-wide rows).
+MAX_FUSED_BLOCKS = 8192
 
 
 def _interpreting() -> bool:
