@@ -23,6 +23,15 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import solattn  # noqa: E402
 
 
+#: ops that only make views or read metadata (no kernel launch on a GPU or XPU); empty / empty_like
+#: allocate from the caching allocator without a launch
+METADATA_OPS = {f"aten::{name}" for name in (
+    "view", "slice", "reshape", "unsqueeze", "squeeze", "alias", "select", "split", "split_with_sizes",
+    "expand", "expand_as", "as_strided", "transpose", "permute", "t", "narrow", "detach", "detach_",
+    "lift_fresh", "_reshape_alias", "flatten", "unflatten", "unbind", "view_as", "chunk", "empty",
+    "empty_like", "result_type", "resolve_conj", "resolve_neg", "is_nonzero")}
+
+
 def main():
     print(solattn.__file__)
     torch.manual_seed(0)
@@ -35,8 +44,11 @@ def main():
         top = Counter(e.name for e in prof.events() if e.name.startswith("aten::")
                       and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
         sdpa = top["aten::scaled_dot_product_attention"]
-        print(f"{kw}: {sum(top.values())} top-level aten ops, {sdpa} SDPA calls, "
-              f"{sum(top.values()) / max(1, sdpa):.0f} per SDPA call; commonest: {top.most_common(12)}")
+        compute = Counter({name: c for name, c in top.items() if name not in METADATA_OPS})
+        print(f"{kw}: {sum(top.values())} top-level aten ops, {sum(compute.values())} of them not views "
+              f"(on a GPU or XPU, launches), {sdpa} SDPA calls, {sum(top.values()) / max(1, sdpa):.0f} ops "
+              f"and {sum(compute.values()) / max(1, sdpa):.0f} launches per SDPA call; commonest: "
+              f"{top.most_common(12)}; commonest launches: {compute.most_common(12)}")
 
 
 if __name__ == "__main__":

@@ -215,7 +215,8 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
             k, v, mask, dead = _append_tail(call, q, k, v, base, sl.tail, zeroed=kv is not None)
         else:
             base = _key_bias_rows(call, b, blocks)                           # (nr, count * 64) fp32
-            dead = torch.isneginf(base).all(dim=1)[:, None]                  # (nr, 1)
+            if _all_keys_can_die(p):
+                dead = torch.isneginf(base).all(dim=1)[:, None]              # (nr, 1)
             mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
     o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask,
                                        scale=p.scale)[:, 0]                   # (nr, Lq, D)
@@ -224,6 +225,15 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
     if dead is not None and (o.device.type != "cpu" or bool(dead.any())):
         o = torch.where(dead[..., None], torch.zeros((), dtype=o.dtype, device=o.device), o)
     return o
+
+
+def _all_keys_can_die(p: Problem) -> bool:
+    """Whether some query row can find every exact key masked (its output is then 0, SPEC.md): only
+    through ``key_bias``. Without it a key is masked only as a dead row (past ``block_len`` or T);
+    every block has a live row (``L_j`` is clamped to 1..64) and every query block keeps a key
+    block (``sol_attn`` forces its own, VSA keeps ``k_vid >= 1``). The chunks then skip the test
+    and, off the CPU, the select on the output."""
+    return p.key_bias is not None
 
 
 def _key_bias_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -301,9 +311,13 @@ def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRow
     dead = None
     if base is None:                             # every exact entry is -round(tail_lse)
         mask[:, :, :E] = t.exact_entry[:, None, None]
+    elif not _all_keys_can_die(p):               # base holds 0 (live) or -inf (dead) only: the
+        # live entries are -round(tail_lse), as above, with no sum in fp32 and no clamp to do
+        mask[:, :, :E] = base.to(mdt)[:, None, :] + t.exact_entry[:, None, None]
     else:
         mask[:, :, :E] = masks.finish_mask(base, mdt, row_shift=t.lse)[:, None, :]
-        dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)  # (nr, mask_rows)
+        if _all_keys_can_die(p):
+            dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)  # (nr, mask_rows)
     mask[:, :, E] = tail_entry
     mask[:, :, E + 1:] = -math.inf
     return k, v, mask[:, None], dead
