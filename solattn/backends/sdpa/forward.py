@@ -40,6 +40,8 @@ class _Call:
     v: RowTable
     indices: torch.Tensor              # (B H n, M) int64 exact key blocks per row
     slot_bias: Optional[torch.Tensor]  # (Bk n, 64) fp32 per key slot, or None
+    slot_entries: Optional[torch.Tensor]  # (n, 64) the same in the mask dtype when it is only
+                                          # 0 / -inf (dead slots, no key_bias), else None
     live: Optional[torch.Tensor]       # (n, 64) bool live rows, when block_len is given
     out: RowTable                      # row numbers of the (contiguous) output
     mdt: torch.dtype
@@ -60,6 +62,8 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     call = _Call(p=p, plan=plan, q=RowTable(p.q), k=RowTable(p.k), v=RowTable(p.v), out=RowTable(out),
                  indices=plan.kv_indices.reshape(B * H * n, -1).long(),
                  slot_bias=None if slot_bias is None else slot_bias.flatten(0, 1),
+                 slot_entries=(None if slot_bias is None or _all_keys_can_die(p)
+                               else slot_bias.flatten(0, 1).to(masks.mask_dtype(dev, dt))),
                  live=live_token_mask(plan.block_len) if p.block_len is not None else None,
                  mdt=masks.mask_dtype(dev, dt), work=Workspace(enabled=not grad))
     masked = needs_mask(plan, p.key_bias is not None, tail)
@@ -211,8 +215,14 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
     mask = dead = None
     if g.masked:
         if s.tail:
-            base = None if call.slot_bias is None else _key_bias_rows(call, b, blocks)
+            base = None
+            if call.slot_entries is not None:
+                base = _slot_rows(call, b, blocks, call.slot_entries)        # mask dtype, 0 / -inf
+            elif call.slot_bias is not None:
+                base = _key_bias_rows(call, b, blocks)
             k, v, mask, dead = _append_tail(call, q, k, v, base, sl.tail, zeroed=kv is not None)
+        elif call.slot_entries is not None:      # dead slots only: the entries as they are
+            mask = _slot_rows(call, b, blocks, call.slot_entries)[:, None, None, :]
         else:
             base = _key_bias_rows(call, b, blocks)                           # (nr, count * 64) fp32
             if _all_keys_can_die(p):
@@ -238,12 +248,17 @@ def _all_keys_can_die(p: Problem) -> bool:
 
 def _key_bias_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``(nr, count * 64)`` fp32 additive bias of the gathered key slots (zeros without a bias table)."""
+    if call.slot_bias is None:
+        return torch.zeros(blocks.shape[0], blocks.shape[1] * BLOCK, dtype=torch.float32, device=blocks.device)
+    return _slot_rows(call, b, blocks, call.slot_bias)
+
+
+def _slot_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``(nr, count * 64)``: the rows of a per-slot ``table`` (``(n, 64)``, or ``(B n, 64)`` per
+    batch) for key blocks ``blocks`` (``(nr, count)``) of batches ``b``; one gather."""
     nr, count = blocks.shape
-    table = call.slot_bias
-    if table is None:
-        return torch.zeros(nr, count * BLOCK, dtype=torch.float32, device=blocks.device)
     n = call.p.n
-    rows = blocks + (b[:, None] * n if table.shape[0] > n else 0)
+    rows = blocks + b[:, None] * n if table.shape[0] > n else blocks
     return table.index_select(0, rows.reshape(-1)).view(nr, count * BLOCK)
 
 
@@ -286,9 +301,11 @@ def _tail_rows(call: _Call, b, h, i, block_residual: Optional[torch.Tensor]) -> 
 
 def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRows, zeroed: bool):
     """Fill the tail slots of a chunk: the centroid as key and the tail's mean value in the first,
-    masked padding after it (see :func:`_tail_rows`). ``base``: the exact keys' fp32 bias (None:
-    no bias, no dead key); ``zeroed``: the tail slots of k and v already hold zeros. Returns k, v,
-    the mask in the device's dtype and the all-masked query rows (None: none can be)."""
+    masked padding after it (see :func:`_tail_rows`). ``base``: the exact keys' bias, ``(nr, E)``:
+    None (no bias, no dead key), without ``key_bias`` the dead-slot entries (0 / -inf, mask dtype,
+    from ``call.slot_entries``), with it the fp32 bias; ``zeroed``: the tail slots of k and v
+    already hold zeros. Returns k, v, the mask in the device's dtype and the all-masked query rows
+    (None: none can be)."""
     p, mdt = call.p, call.mdt
     nr = q.shape[0]
     E = k.shape[1] - TAIL_ROWS                                               # exact key slots
@@ -311,13 +328,12 @@ def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRow
     dead = None
     if base is None:                             # every exact entry is -round(tail_lse)
         mask[:, :, :E] = t.exact_entry[:, None, None]
-    elif not _all_keys_can_die(p):               # base holds 0 (live) or -inf (dead) only: the
-        # live entries are -round(tail_lse), as above, with no sum in fp32 and no clamp to do
-        mask[:, :, :E] = base.to(mdt)[:, None, :] + t.exact_entry[:, None, None]
-    else:
+    elif not _all_keys_can_die(p):               # base: call.slot_entries' 0 (live) / -inf (dead)
+        # in the mask dtype; the live entries are -round(tail_lse), as above
+        torch.add(base[:, None, :].expand(nr, mask_rows, E), t.exact_entry[:, None, None], out=mask[:, :, :E])
+    else:                                        # key_bias: some row may lose every exact key
         mask[:, :, :E] = masks.finish_mask(base, mdt, row_shift=t.lse)[:, None, :]
-        if _all_keys_can_die(p):
-            dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)  # (nr, mask_rows)
+        dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)  # (nr, mask_rows)
     mask[:, :, E] = tail_entry
     mask[:, :, E + 1:] = -math.inf
     return k, v, mask[:, None], dead
