@@ -330,7 +330,9 @@ def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRow
         mask[:, :, :E] = t.exact_entry[:, None, None]
     elif not _all_keys_can_die(p):               # base: call.slot_entries' 0 (live) / -inf (dead)
         # in the mask dtype; the live entries are -round(tail_lse), as above
-        torch.add(base[:, None, :].expand(nr, mask_rows, E), t.exact_entry[:, None, None], out=mask[:, :, :E])
+        # (an add, then a copy into the view: plain ops every device runs, rather than out= into a
+        # strided view, which MPS and XPU were not tested with here)
+        mask[:, :, :E] = base[:, None, :] + t.exact_entry[:, None, None]
     else:                                        # key_bias: some row may lose every exact key
         mask[:, :, :E] = masks.finish_mask(base, mdt, row_shift=t.lse)[:, None, :]
         dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)  # (nr, mask_rows)
