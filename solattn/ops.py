@@ -46,12 +46,12 @@ def _as_list(rng) -> Optional[List[int]]:
     return [int(x) for x in rng]
 
 
-def plan_for(chosen, problem: Problem):
+def plan_for(chosen, problem: Problem, fused: bool = True):
     """The routing plan ``chosen`` runs ``problem`` from (None for backends without one); the
-    fused plan where the backend accepts it and it applies."""
+    fused plan where the backend accepts it, it applies and ``fused`` allows it."""
     if not chosen.uses_plan:
         return None
-    return build_plan(problem, fused=getattr(chosen, "fused_plan", False))
+    return build_plan(problem, fused=fused and getattr(chosen, "fused_plan", False))
 
 
 def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
@@ -255,7 +255,10 @@ def _sol_attn_forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Option
                        block_len, coarse_gate, token_aug)
     with torch.no_grad():  # the forward never records autograd
         chosen = dispatch.choose(problem, backend or None)
-        plan = plan_for(chosen, problem)
+        # A backward rebuilds a plan with tail or coarse terms through the torch path (they carry
+        # gradients there); the forward then builds it the same way, so that both passes select
+        # the same blocks (the fused plan's products round differently: near-ties can flip).
+        plan = plan_for(chosen, problem, fused=not (want_lse and has_block_terms(problem)))
         lse, resid = backward_buffers(q, v, want_lse)
         out, fused = run_for_backward(chosen, problem, plan, lse, resid)
         return out, lse, resid, fused

@@ -274,6 +274,27 @@ def test_backward_takes_the_forwards_plan(device, monkeypatch, fused_calls, plan
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_forward_selects_what_the_backward_rebuilds(device, monkeypatch, fused_calls):
+    """With a tail (or gate) the backward rebuilds the plan through the torch path, so a forward
+    that may be differentiated builds it that way too (the fused plan's products round otherwise:
+    a near-tie could select other blocks in the two passes). Without those terms, and without
+    gradients, the forward may take the fused plan."""
+    from solattn.routing import fused
+    kinds = []
+    real = fused.fused_plan
+    monkeypatch.setattr(fused, "fused_plan", lambda problem: kinds.append("fused") or real(problem))
+    q, k, v = make_qkv(1, 192, 2, 32, dtype=torch.float16, device=device, seed=7)
+    for tail, grad, want in ((True, True, []), (False, True, ["fused"]), (True, False, ["fused"])):
+        kinds.clear()
+        leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+        out = solattn.sol_attn(*leaves, topk_ratio=0.5, tail=tail, backend="triton")
+        if grad:
+            out.float().sum().backward()
+            assert fused_calls, "the fused backward ran"
+        assert kinds == want, (tail, grad)
+
+
 def test_forward_without_backward_keeps_no_plan(monkeypatch, plan_refs):
     """A grad-enabled forward whose graph is dropped without a backward (activation checkpointing,
     an evaluation pass) leaves no plan behind."""

@@ -45,7 +45,7 @@ _SELECT_TILE_ELEMS = 8192
 
 #: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums). None: "tf32x3" (three
 #: TF32 tensor-core passes with the operands split in high and low parts, about fp32 accuracy) on
-#: GPUs with TF32 (compute capability 8.0 and up), else "ieee" (fp32 FMA, exact products). On an
+#: NVIDIA GPUs with TF32 (compute capability 8.0 and up), else "ieee" (fp32 FMA, exact products). On an
 #: H200 at H3 the IEEE products took 2.58 ms of the select kernel against 1.42 ms with tf32x3, and
 #: both selections matched the torch plan's (0 and 1 rows of 32648 differ; plain "tf32": 561).
 DOT_PRECISION = None
@@ -55,7 +55,8 @@ def dot_precision(device: torch.device) -> str:
     """The ``tl.dot`` precision the fused plan uses on ``device`` (see :data:`DOT_PRECISION`)."""
     if DOT_PRECISION is not None:
         return DOT_PRECISION
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+    # ROCm builds report AMD GPUs as "cuda" too; Triton's AMD backend has no tf32x3
+    if device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 8:
         return "tf32x3"
     return "ieee"
 
@@ -147,7 +148,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     compiled(interpret, fk.means_kernel)[(n, G)](
         q, k, v, problem.block_len if has_len else L, qm, km, vm, L,
         *q.stride(), *k.stride(), *v.stride(), T, H, n,
-        HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 2))
+        HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 2 if D <= 128 else 4))
 
     tau_mode = problem.topk_ratio == 0.0
     m = torch.empty(G, D, dtype=f32, device=dev)
@@ -168,7 +169,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     # against 0.91-1.20 ms with 32 rows in 8 warps; with IEEE products (FMA, no tensor cores) 4
     # warps took 7.8 ms in tau mode with the tail, so those keep 8 warps (2.3-2.5 ms) and the
     # 32-row tiles that halve the reads of the key and value means where programs are plentiful.
-    # 2 warps per means program read q and k at 3.8 TB/s.
+    # 2 warps per means program read q and k at 3.8 TB/s (D <= 128; wider rows keep 4 warps).
     precision = dot_precision(dev)
     ieee = precision == "ieee"
     block_i = tuning.get("block_i", 16 if not ieee or D > 128 or interpret or G * -(-n // 32) < 264 else 32)
