@@ -7,7 +7,10 @@
 #   peers_seed  the same at the seed shape only
 #   graph_tests pytest tests/test_graphs.py -k cuda -v
 #   tests       the whole test suite ($TEST_ARGS appended, $TEST_S seconds at most)
-# e.g.  OUT=$OUT EXTRA_PYTHONPATH=$PWD/.whl/ck bash benchmarks/gpu_session10.sh graph_tests peers_seed tests
+#   tests_x     the same in 8 processes (pytest-xdist on PYTHONPATH, e.g. unzipped wheels carried in
+#               .whl/xdist: pip download pytest-xdist execnet; about 4 minutes on the H200 host)
+#   plan_h3     diag/plan_h3_fused.py h3 seed: fused vs torch plan and end to end at H3, the seed in graphs
+# e.g.  OUT=$OUT EXTRA_PYTHONPATH=$PWD/.whl/ck:$PWD/.whl/xdist bash benchmarks/gpu_session10.sh tests_x backward
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
@@ -18,7 +21,7 @@ cat COMMIT 2>/dev/null
 PEERS="--ratios 0.1 0 --tail --graphs --backends dense triton comfy-kitchen"
 for step in "$@"; do
   case $step in
-    backward) timeout 170 python benchmarks/bench_backward.py --no-sweep --out "$OUT/backward.md" > "$OUT/backward.log" 2>&1
+    backward) timeout ${BACKWARD_S:-230} python benchmarks/bench_backward.py --no-sweep --out "$OUT/backward.md" > "$OUT/backward.log" 2>&1
               tail -22 "$OUT/backward.md" ;;
     seed) timeout 90 python benchmarks/diag/session10_seed.py > "$OUT/seed.txt" 2>&1
           grep "^|" "$OUT/seed.txt"; grep "torch plan" "$OUT/seed.txt" ;;
@@ -31,6 +34,11 @@ for step in "$@"; do
                    > "$OUT/graph_tests.log" 2>&1; echo "graph tests rc=$?"; grep -E "PASSED|FAILED" "$OUT/graph_tests.log" ;;
     tests) timeout ${TEST_S:-300} python -m pytest -q -p no:cacheprovider tests/ ${TEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
            tail -4 "$OUT/gpu_tests.log" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests" >&2; exit 2 ;;
+    tests_x) timeout ${TEST_S:-300} python -m pytest -q -p no:cacheprovider -n 8 --durations=10 tests/ ${TEST_ARGS:-} \
+               > "$OUT/gpu_tests.log" 2>&1
+             tail -4 "$OUT/gpu_tests.log" ;;
+    plan_h3) timeout 200 python benchmarks/diag/plan_h3_fused.py h3 seed > "$OUT/plan_h3.txt" 2>&1
+             grep -E "^##|^fused|^kernel|^seed|^H3" "$OUT/plan_h3.txt" | cut -c1-300 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3" >&2; exit 2 ;;
   esac
 done
