@@ -8,7 +8,9 @@ has 560 GB/s). FlexAttention skips unselected blocks inside one kernel and reads
 from the inputs; the plan's ``kv_num_blocks`` / ``kv_indices`` are already the form
 ``BlockMask.from_kv_blocks`` takes. This script checks that the two agree on the exact branch
 (top-k, no tail: the tail would join through the returned log-sum-exp) and times both, on the
-best device present (FlexAttention needs ``torch.compile`` on it). Passing the blocks as "full"
+best device present (FlexAttention needs ``torch.compile`` on it). An earlier report from an Intel
+Arc A770 had ``flex_attention`` under ``torch.compile`` run out of resources there (a dense
+2x16x4056x128 problem, the torch of that time): whether it runs on XPU today is the open question. Passing the blocks as "full"
 (``full_kv_num_blocks``) instead failed in torch 2.13's CPU code generation ("'kv_indices' was not
 declared"), so they go as partial blocks under the default keep-all ``mask_mod``.
 
