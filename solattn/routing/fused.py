@@ -60,6 +60,7 @@ def dot_precision(device: torch.device) -> str:
         return "tf32x3"
     return "ieee"
 
+
 #: largest n (key blocks) the fused plan takes (T = 524288 tokens); beyond it the torch plan
 #: chunks the work. The select kernel's bisection holds whole rows of n scores (padded to a power
 #: of two) in tiles of ``_SELECT_TILE_ELEMS``: up to 8192 blocks a tile is that size whatever n

@@ -83,6 +83,13 @@ def order_key(r):
 
 
 @gpu_jit
+def unsettled_rows(cnt_lo, lo, hi, kk):
+    # rows of a top-k bisection tile not yet settled: count(key >= lo) is not kk and the
+    # interval [lo, hi) holds more than one key
+    return tl.sum(((cnt_lo != kk) & (hi - lo > 1)).to(tl.int32), 0)
+
+
+@gpu_jit
 def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
                   n, c, cc, tau, kk, s0, s1, q0, q1,
@@ -131,7 +138,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             lo = tl.min(tl.where(cand_ok[None, :], key, 2147483647), 1).to(tl.int64)
             hi = tl.max(tl.where(cand_ok[None, :], key, -2147483648), 1).to(tl.int64) + 1
             cnt_lo = tl.zeros([RB], tl.int32) + tl.sum(cand_ok.to(tl.int32), 0)
-            unsettled = tl.sum(((cnt_lo != kk) & (hi - lo > 1)).to(tl.int32), 0)
+            unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
             while unsettled > 0:
                 mid = (lo + hi) >> 1
                 cnt = tl.sum(((key >= mid.to(tl.int32)[:, None]) & cand_ok[None, :]).to(tl.int32), 1)
@@ -139,7 +146,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                 lo = tl.where(ge, mid, lo)
                 cnt_lo = tl.where(ge, cnt, cnt_lo)
                 hi = tl.where(ge, hi, mid)
-                unsettled = tl.sum(((cnt_lo != kk) & (hi - lo > 1)).to(tl.int32), 0)
+                unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
             tl.store(Theta + gn + rr, lo.to(tl.int32), mask=rok)
         tl.debug_barrier()
         theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)

@@ -59,13 +59,14 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
                                and p.key_bias.requires_grad)
     slot_bias = masks.key_slot_bias(p, plan)
     out = new_output((B, T, H, D), dt, dev)
+    mdt = masks.mask_dtype(dev, dt)
     call = _Call(p=p, plan=plan, q=RowTable(p.q), k=RowTable(p.k), v=RowTable(p.v), out=RowTable(out),
                  indices=plan.kv_indices.reshape(B * H * n, -1).long(),
                  slot_bias=None if slot_bias is None else slot_bias.flatten(0, 1),
                  slot_entries=(None if slot_bias is None or _all_keys_can_die(p)
-                               else slot_bias.flatten(0, 1).to(masks.mask_dtype(dev, dt))),
+                               else slot_bias.flatten(0, 1).to(mdt)),
                  live=live_token_mask(plan.block_len) if p.block_len is not None else None,
-                 mdt=masks.mask_dtype(dev, dt), work=Workspace(enabled=not grad))
+                 mdt=mdt, work=Workspace(enabled=not grad))
     masked = needs_mask(plan, p.key_bias is not None, tail)
     rows = torch.arange(B * H * n, device=dev)
     chunk_budget = nbytes - fixed_bytes(B, T, H, n, 0 if slot_bias is None else slot_bias.shape[0],
