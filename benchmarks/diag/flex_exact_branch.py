@@ -30,22 +30,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import solattn  # noqa: E402
+from solattn.bench.timing import time_calls  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
 from solattn.testing import rel_l2  # noqa: E402
 from solattn.validation import BLOCK, validate  # noqa: E402
 
 
 def timed(fn, device, repeats):
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(time_calls(fn, device, repeats))
 
 
 def main(argv=None):
