@@ -47,7 +47,7 @@ for step in "$@"; do
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    softmax) timeout ${SOFTMAX_S:-240} python benchmarks/diag/kernel_softmax.py --stages ${SOFTMAX_STAGES:-3 2} \
+    softmax) timeout ${SOFTMAX_S:-240} python benchmarks/diag/kernel_softmax.py --stages ${SOFTMAX_STAGES:-3 2} ${SOFTMAX_NAMES:+--names $SOFTMAX_NAMES} \
                > "$OUT/softmax.md" 2>&1; grep -E "^##|^\| [a-z]" "$OUT/softmax.md" | cut -c1-160 ;;
     *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 flex softmax" >&2; exit 2 ;;
   esac

@@ -39,6 +39,7 @@ def half_loop(
     s_bias_b, T, H, n_blocks, max_blocks, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
     MATH_ONLY: tl.constexpr,       # True: math_only, False: loads_only
 ):
     bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
@@ -58,8 +59,11 @@ def half_loop(
             k = tl.load(K + b * skb + h * skh + tok0[:, None] * skt + dims[None, :] * skd, mask=live0[:, None], other=0.0)
             v = tl.load(V + b * svb + h * svh + tok0[:, None] * svt + dims[None, :] * svd, mask=live0[:, None], other=0.0)
         for step in range(0, count):
-            s = block_logits(q, k, tok0, live0, KeyBias + b * s_bias_b, qk_scale, HAS_BIAS)
-            p, alpha, m_i, l_i = softmax_update(s, m_i, l_i)
+            if FOLD_SCALE:
+                s = tl.where(live0[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+            else:
+                s = block_logits(q, k, tok0, live0, KeyBias + b * s_bias_b, qk_scale, HAS_BIAS)
+            p, alpha, m_i, l_i = softmax_update(s, m_i, l_i, qk_scale, FOLD_SCALE)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     else:
         if not KV_TMA:
@@ -92,132 +96,116 @@ def run_variant(name: str, problem, plan, config: KernelConfig):
     return run_kernel(half_loop, problem, plan, config, constexprs=VARIANTS[name])
 
 
-# ----------------------------------------------------------------------------- softmax-loop candidates
+
+# ----------------------------------------------------------------------------- key-loop candidates
 #
-# Candidates for a cheaper key loop at 64-row tiles, where the loop is math-bound (tensor cores
-# wait for the softmax between QK^T and PV). Each switch removes elementwise work per logit:
+# Measured at f65d347 (H200, H3 top-k 10 %, kernel only; production then 9.35 ms): the scale
+# folded into the softmax's FMA with K and V loaded before the softmax, 8.68 ms (now the
+# production loop); the dead-key mask on the last step only (loop peeled), 9.84; a lazy rescale
+# (a branch per step), 12.2. Candidates on top of the production loop:
 #
-# - FMA: the row max is taken on the raw logits and scaled once per row (the scale is positive),
-#   and ``exp2(s * scale - m)`` is one fused multiply-add per logit instead of a multiply and a
-#   subtract.
-# - PEEL: the dead-key mask is applied only at the last listed step. Lists are ascending, so a
-#   ragged last key block (keys past T) can only be the last step; every earlier block is full.
-#   Valid without block_len (TMA loads never have one).
-# - DOT_ACC: the rescaled accumulator is the accumulator operand of the P V product (no separate
-#   64 x D add).
-# - LAZY: the running max only moves when some row's max grows by more than LAZY (base-2 units);
-#   until then the old max stays the reference, the rows' terms stay <= 2^LAZY, and the whole
-#   rescale (a 64 x D multiply) is skipped by one branch per step. The final normalisation uses
-#   the same reference, so the result is the same softmax.
+# - DOT_ACC: the rescaled accumulator is the P V product's accumulator operand (no separate
+#   64 x D add; 4 % faster than the old loop at f65d347).
+# - IFMASK: the dead-key mask behind one scalar branch per step, taken only for a ragged block.
+# - PREFETCH: the next block's Q K^T is issued before this block's softmax (the logits are carried
+#   across the loop step), so the tensor cores can work while the softmax runs; the last step
+#   computes one spare product (its own block again).
 
 
 @gpu_jit
-def fast_step(q, k, v, live, m_i, l_i, acc, qk_scale,
-              MASK: tl.constexpr, FMA: tl.constexpr, DOT_ACC: tl.constexpr, LAZY: tl.constexpr):
-    s = tl.dot(q, tl.trans(k))
-    if MASK:
-        s = tl.where(live[None, :], s, float("-inf"))
-    if FMA:
-        m_blk = tl.max(s, 1) * qk_scale
-    else:
-        s = s * qk_scale
-        m_blk = tl.max(s, 1)
-    m_new = tl.maximum(m_i, m_blk)
-    if LAZY > 0:
-        grow = tl.max((m_new > m_i + LAZY).to(tl.int32), 0)
-        if grow > 0:
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_ref)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-        if FMA:
-            p = tl.math.exp2(s * qk_scale - m_use[:, None])
-        else:
-            p = tl.math.exp2(s - m_use[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc) if DOT_ACC else acc + tl.dot(p.to(v.dtype), v)
-        return m_i, l_i, acc
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_ref)
-    if FMA:
-        p = tl.math.exp2(s * qk_scale - m_ref[:, None])
-    else:
-        p = tl.math.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_ACC:
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
-@gpu_jit
-def fast_kv(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
-            HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr):
+def load_kv(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
+            HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr, WANT_V: tl.constexpr):
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     kv_block = tl.load(idx_row + step)
     tok_k = (kv_block * BLOCK + rows).to(tl.int64)
     if KV_TMA:
         live = tok_k < T
+        ragged = kv_block * BLOCK + BLOCK > T
         k = K.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-        v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+        v = k
+        if WANT_V:
+            v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
     else:
-        live = rows < tl.load(BlockLen + kv_block)
+        blen = tl.load(BlockLen + kv_block)
+        live = rows < blen
+        ragged = blen < BLOCK
         k = tl.load(K + b * skb + h * skh + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
-        v = tl.load(V + b * svb + h * svh + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
-    return k, v, live
+        v = k
+        if WANT_V:
+            v = tl.load(V + b * svb + h * svh + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
+    return k, v, live, ragged
 
 
 @gpu_jit
-def fast_loop(
+def folded_step(s, v, live, ragged, m_i, l_i, acc, qk_scale, DOT_ACC: tl.constexpr, IFMASK: tl.constexpr):
+    if IFMASK:
+        if ragged:
+            s = tl.where(live[None, :], s, float("-inf"))
+    else:
+        s = tl.where(live[None, :], s, float("-inf"))
+    p, alpha, m_i, l_i = softmax_update(s, m_i, l_i, qk_scale, True)
+    if DOT_ACC:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_i, l_i, acc
+
+
+@gpu_jit
+def candidate_loop(
     Q, K, V, Out, Gate,
     KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse, Resid,
     sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd, sgb, sgt, sgh, sgd,
     s_bias_b, T, H, n_blocks, max_blocks, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
-    FMA: tl.constexpr, PEEL: tl.constexpr, DOT_ACC: tl.constexpr, LAZY: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
+    DOT_ACC: tl.constexpr, IFMASK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    tl.static_assert(not HAS_BIAS, "fast_loop: no key_bias")
+    tl.static_assert(FOLD_SCALE, "candidate_loop: no key_bias, positive scale")
     bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
         Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
         T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
-    if PEEL:
-        for step in range(0, count - 1):
-            k, v, live = fast_kv(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,
-                                 BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
-            m_i, l_i, acc = fast_step(q, k, v, live, m_i, l_i, acc, qk_scale, False, FMA, DOT_ACC, LAZY)
+    if PREFETCH:
         if count > 0:
-            k, v, live = fast_kv(K, V, idx_row, count - 1, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,
-                                 BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
-            m_i, l_i, acc = fast_step(q, k, v, live, m_i, l_i, acc, qk_scale, True, FMA, DOT_ACC, LAZY)
+            k, v, live, ragged = load_kv(K, V, idx_row, 0, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,
+                                         BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA, False)
+            s = tl.dot(q, tl.trans(k))
+            for step in range(0, count):
+                nxt = tl.minimum(step + 1, count - 1)
+                k_n, v_n, live_n, ragged_n = load_kv(K, V, idx_row, nxt, bh, b, h, skb, skt, skh, skd, svb, svt,
+                                                     svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA, False)
+                s_n = tl.dot(q, tl.trans(k_n))
+                k_c, v, live_c, ragged_c = load_kv(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt,
+                                                   svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA, True)
+                m_i, l_i, acc = folded_step(s, v, live_c, ragged_c, m_i, l_i, acc, qk_scale, DOT_ACC, IFMASK)
+                s = s_n
     else:
         for step in range(0, count):
-            k, v, live = fast_kv(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,
-                                 BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
-            m_i, l_i, acc = fast_step(q, k, v, live, m_i, l_i, acc, qk_scale, True, FMA, DOT_ACC, LAZY)
+            k, v, live, ragged = load_kv(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,
+                                         BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA, True)
+            m_i, l_i, acc = folded_step(tl.dot(q, tl.trans(k)), v, live, ragged, m_i, l_i, acc, qk_scale,
+                                        DOT_ACC, IFMASK)
     write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
                sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
 
 
-#: name -> fast_loop's switches
-FAST = {
-    "fma": dict(FMA=True, PEEL=False, DOT_ACC=False, LAZY=0),
-    "peel": dict(FMA=False, PEEL=True, DOT_ACC=False, LAZY=0),
-    "dotacc": dict(FMA=False, PEEL=False, DOT_ACC=True, LAZY=0),
-    "fma+peel": dict(FMA=True, PEEL=True, DOT_ACC=False, LAZY=0),
-    "fma+peel+dotacc": dict(FMA=True, PEEL=True, DOT_ACC=True, LAZY=0),
-    "fma+peel+dotacc+lazy8": dict(FMA=True, PEEL=True, DOT_ACC=True, LAZY=8),
-    "fma+peel+lazy8": dict(FMA=True, PEEL=True, DOT_ACC=False, LAZY=8),
-    "none": dict(FMA=False, PEEL=False, DOT_ACC=False, LAZY=0),
+#: name -> candidate_loop's switches
+CANDIDATES = {
+    "loop": dict(DOT_ACC=False, IFMASK=False, PREFETCH=False),
+    "dotacc": dict(DOT_ACC=True, IFMASK=False, PREFETCH=False),
+    "ifmask": dict(DOT_ACC=False, IFMASK=True, PREFETCH=False),
+    "dotacc+ifmask": dict(DOT_ACC=True, IFMASK=True, PREFETCH=False),
+    "prefetch": dict(DOT_ACC=False, IFMASK=False, PREFETCH=True),
+    "prefetch+dotacc": dict(DOT_ACC=True, IFMASK=False, PREFETCH=True),
+    "prefetch+dotacc+ifmask": dict(DOT_ACC=True, IFMASK=True, PREFETCH=True),
 }
 
 
-def run_fast(name: str, problem, plan, config: KernelConfig):
-    """Launch :func:`fast_loop` with the switches of ``FAST[name]`` (a correct output)."""
-    if name not in FAST:
-        raise ValueError(f"kernel_variants: argument 'name' received {name!r}; allowed: {', '.join(FAST)}")
-    return run_kernel(fast_loop, problem, plan, config, constexprs=FAST[name])
+def run_candidate(name: str, problem, plan, config: KernelConfig):
+    """Launch :func:`candidate_loop` with the switches of ``CANDIDATES[name]`` (a correct output;
+    no key_bias, positive scale)."""
+    if name not in CANDIDATES:
+        raise ValueError(f"kernel_variants: argument 'name' received {name!r}; allowed: {', '.join(CANDIDATES)}")
+    return run_kernel(candidate_loop, problem, plan, config, constexprs=CANDIDATES[name])

@@ -85,6 +85,21 @@ def test_ragged_T(T):
     _check(validate(q, k, v, topk_ratio=0.4, tail=True))
 
 
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 0.3])
+def test_any_finite_scale(scale):
+    """A positive scale is folded into the softmax's multiply-add (the row max is taken on the raw
+    logits, then scaled); a negative scale would turn that max into a min, so it keeps the
+    scale-first path, as does zero. All three match the reference (at zero every routing score
+    ties, which the plan and the reference both resolve by keeping every tied block)."""
+    q, k, v = make_qkv(1, 200, 2, 64, dtype=torch.bfloat16, seed=12)
+    problem = validate(q, k, v, topk_ratio=0.4, tail=True, scale=scale)
+    if scale:
+        _check(problem)
+    else:
+        got = launch(problem, build_plan(problem))
+        assert rel_l2(got, reference_forward(problem)) < TOL
+
+
 # ----------------------------------------------------------------------------- key_bias
 
 def test_key_bias_float_b2():
@@ -299,3 +314,12 @@ def test_benchmark_variants_take_the_production_kernels_arguments():
     for name in kernel_variants.VARIANTS:
         out = kernel_variants.run_variant(name, problem, plan, KernelConfig())
         assert out.shape == q.shape and torch.isfinite(out).all(), name
+    # the key-loop candidates compute the operator: each must match the reference, on a ragged
+    # T (the dead-key mask matters) with the tail
+    q, k, v = make_qkv(1, 200, 2, 32, dtype=torch.float16, seed=2)
+    problem = validate(q, k, v, topk_ratio=0.5, tail=True)
+    plan = build_plan(problem)
+    ref = reference_forward(problem)
+    for name in kernel_variants.CANDIDATES:
+        out = kernel_variants.run_candidate(name, problem, plan, KernelConfig())
+        assert rel_l2(out, ref) < TOL, name

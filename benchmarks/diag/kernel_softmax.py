@@ -1,15 +1,16 @@
 """Candidates for a cheaper key loop in the triton backend's kernel, timed at H3 on a GPU.
 
-At 64-row tiles the kernel's loop is math-bound (about 440 TFLOP/s on an H200): the tensor
-cores wait for the softmax between QK^T and PV. ``benchmarks/kernel_variants.py``'s ``fast_loop``
-removes elementwise work per logit, one switch at a time (see ``FAST`` there: a fused
-multiply-add for scale and max, the dead-key mask on the last step only, PV accumulating into
-the rescaled accumulator, a lazy rescale). For top-k 10 %, 20 % and tau 1 + tail at
+At 64-row tiles the kernel's loop is math-bound (about 440-490 TFLOP/s on an H200): the tensor
+cores wait for the softmax between QK^T and PV. ``benchmarks/kernel_variants.py``'s
+``candidate_loop`` changes the production loop one switch at a time (see ``CANDIDATES`` there:
+PV accumulating into the rescaled accumulator, the dead-key mask behind a branch, the next
+block's QK^T issued before this block's softmax). ``loop`` is the production loop rebuilt from
+the same pieces (a check that the candidates' scaffolding costs nothing). For top-k 10 %, 20 % and tau 1 + tail at
 B=1, T=37296, H=56, D=128, bf16 (the inputs of ``plan_h3_fused.py``), each candidate is timed
 next to the production kernel (same plan, kernel only), with its error against the fp32
 definition and its difference from the production kernel's output.
 
-    python benchmarks/diag/kernel_softmax.py [--stages 3 2] [--names fma peel ...]
+    python benchmarks/diag/kernel_softmax.py [--stages 3 2] [--names dotacc prefetch ...]
     python benchmarks/diag/kernel_softmax.py --dry-run     # tiny shape, CPU interpreter
 """
 
@@ -37,7 +38,7 @@ def main():
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
     import solattn
-    from kernel_variants import FAST, run_fast
+    from kernel_variants import CANDIDATES, run_candidate
     from solattn.backends.triton import KernelConfig
     from solattn.backends.triton import backend as tb
     from solattn.bench.timing import time_calls
@@ -48,7 +49,7 @@ def main():
     dev = torch.device("cpu" if args.dry_run else "cuda")
     B, T, H, D = (1, 300, 2, 32) if args.dry_run else (1, 37296, 56, 128)
     dtype = torch.float32 if args.dry_run else torch.bfloat16
-    names = args.names or list(FAST)
+    names = args.names or list(CANDIDATES)
     q, k, v = make_qkv(B, T, H, D, dtype=dtype, device=dev, seed=0)
 
     def med(fn, n=20, warm=3):
@@ -76,8 +77,8 @@ def main():
                 cfg = KernelConfig(1, 4, stages, tma=not args.dry_run)
                 for name in names:
                     try:
-                        out = run_fast(name, problem, plan, cfg).float()
-                        t = med(lambda: run_fast(name, problem, plan, cfg))
+                        out = run_candidate(name, problem, plan, cfg).float()
+                        t = med(lambda: run_candidate(name, problem, plan, cfg))
                     except Exception as exc:  # noqa: BLE001 - report and go on
                         print(f"| {name} | {stages} | failed: {type(exc).__name__}: {str(exc)[:200]} |||||", flush=True)
                         continue

@@ -235,6 +235,9 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
         problem.scale * kernel.LOG2E,
         HEAD_DIM=D, BLOCK=BLOCK,
         HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse, KV_TMA=use_tma,
+        # the softmax may scale raw logits in its FMA only where nothing is added to them and a
+        # positive scale keeps their order (the spec allows any finite scale)
+        FOLD_SCALE=not ops.has_bias and problem.scale > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(constexprs or {}),
         **({"WRITE_LSE": True} if lse is not None else {}),
     )
