@@ -28,7 +28,7 @@ import triton.language as tl  # noqa: E402
 
 from solattn.backends.triton.backend import KernelConfig, run_kernel  # noqa: E402
 from solattn.backends.triton.kernel import (  # noqa: E402
-    gpu_jit, block_logits, program_start, softmax_update, write_rows)
+    gpu_jit, block_logits, key_block, program_start, raw_logits, softmax_update, write_rows)
 
 
 @gpu_jit
@@ -45,40 +45,21 @@ def half_loop(
     bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
         Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
         T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
-    rows = tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM)
     if MATH_ONLY:
         # the first listed block, loaded once before the loop
-        block0 = tl.load(idx_row)
-        tok0 = (block0 * BLOCK + rows).to(tl.int64)
-        live0 = tok0 < T
-        if KV_TMA:
-            k = K.load([bh // H, block0 * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-            v = V.load([bh // H, block0 * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-        else:
-            k = tl.load(K + b * skb + h * skh + tok0[:, None] * skt + dims[None, :] * skd, mask=live0[:, None], other=0.0)
-            v = tl.load(V + b * svb + h * svh + tok0[:, None] * svt + dims[None, :] * svd, mask=live0[:, None], other=0.0)
+        k, v, tok0, live0, ragged0 = key_block(K, V, idx_row, 0, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,
+                                               BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
         for step in range(0, count):
             if FOLD_SCALE:
-                s = tl.where(live0[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+                s = raw_logits(q, k, live0, ragged0)
             else:
                 s = block_logits(q, k, tok0, live0, KeyBias + b * s_bias_b, qk_scale, HAS_BIAS)
             p, alpha, m_i, l_i = softmax_update(s, m_i, l_i, qk_scale, FOLD_SCALE)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     else:
-        if not KV_TMA:
-            k_base = K + b * skb + h * skh
-            v_base = V + b * svb + h * svh
         for step in range(0, count):
-            kv_block = tl.load(idx_row + step)
-            if KV_TMA:
-                k = K.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-                v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-            else:
-                tok_k = (kv_block * BLOCK + rows).to(tl.int64)
-                live = rows < tl.load(BlockLen + kv_block)
-                k = tl.load(k_base + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
-                v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
+            k, v, tok_k, live, ragged = key_block(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh,
+                                                  svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
             acc += k.to(tl.float32) + v.to(tl.float32)
             l_i += 1.0
     write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
@@ -99,61 +80,26 @@ def run_variant(name: str, problem, plan, config: KernelConfig):
 
 # ----------------------------------------------------------------------------- key-loop candidates
 #
-# Measured at f65d347 (H200, H3 top-k 10 %, kernel only; production then 9.35 ms): the scale
-# folded into the softmax's FMA with K and V loaded before the softmax, 8.68 ms (now the
-# production loop); the dead-key mask on the last step only (loop peeled), 9.84; a lazy rescale
-# (a branch per step), 12.2. Candidates on top of the production loop:
+# Measured on the H200 at H3, kernel only (results/h200/session12): against the loop of f65d347
+# (9.35 ms at top-k 10 %, 18.03 at 20 %), folding the scale into the softmax's FMA with K and V
+# loaded before the softmax took 8.68 / 16.77 ms, and at 0582787 masking only ragged blocks took
+# another 2 % (8.57 / 16.25 / 13.20 ms with tau 1 + tail); both are the production loop now.
+# Lost: the mask on a peeled last step (9.84 ms at 10 %), a lazy rescale behind a branch per step
+# (12.2), the next block's Q K^T issued before this block's softmax (9.78), and PV accumulating
+# into the rescaled accumulator made no difference (8.69 against 8.66). That code is in the
+# history at 0582787 (``candidate_loop``) and f65d347 (``fast_loop``).
 #
-# - DOT_ACC: the rescaled accumulator is the P V product's accumulator operand (no separate
-#   64 x D add; 4 % faster than the old loop at f65d347).
-# - IFMASK: the dead-key mask behind one scalar branch per step, taken only for a ragged block.
-# - PREFETCH: the next block's Q K^T is issued before this block's softmax (the logits are carried
-#   across the loop step), so the tensor cores can work while the softmax runs; the last step
-#   computes one spare product (its own block again).
+# Candidate on top of the production loop:
+#
+# - KV2: two listed key blocks per loop step, each with its own 64 x 64 Q K^T and P V products,
+#   one online-softmax update for both (the 64 x D rescale and the per-row work paid once per
+#   128 keys). An odd list's last step pairs its block with a dead copy of itself. With pointer
+#   loads this lost to register pressure (18.3 against 14.2 ms at 10 %); TMA loads hold no
+#   registers.
 
 
 @gpu_jit
-def load_kv(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
-            HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr, WANT_V: tl.constexpr):
-    rows = tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM)
-    kv_block = tl.load(idx_row + step)
-    tok_k = (kv_block * BLOCK + rows).to(tl.int64)
-    if KV_TMA:
-        live = tok_k < T
-        ragged = kv_block * BLOCK + BLOCK > T
-        k = K.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-        v = k
-        if WANT_V:
-            v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-    else:
-        blen = tl.load(BlockLen + kv_block)
-        live = rows < blen
-        ragged = blen < BLOCK
-        k = tl.load(K + b * skb + h * skh + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
-        v = k
-        if WANT_V:
-            v = tl.load(V + b * svb + h * svh + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
-    return k, v, live, ragged
-
-
-@gpu_jit
-def folded_step(s, v, live, ragged, m_i, l_i, acc, qk_scale, DOT_ACC: tl.constexpr, IFMASK: tl.constexpr):
-    if IFMASK:
-        if ragged:
-            s = tl.where(live[None, :], s, float("-inf"))
-    else:
-        s = tl.where(live[None, :], s, float("-inf"))
-    p, alpha, m_i, l_i = softmax_update(s, m_i, l_i, qk_scale, True)
-    if DOT_ACC:
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_i, l_i, acc
-
-
-@gpu_jit
-def candidate_loop(
+def kv2_loop(
     Q, K, V, Out, Gate,
     KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse, Resid,
     sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd, sgb, sgt, sgh, sgd,
@@ -161,51 +107,46 @@ def candidate_loop(
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
-    DOT_ACC: tl.constexpr, IFMASK: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT_ACC: tl.constexpr,
 ):
-    tl.static_assert(FOLD_SCALE, "candidate_loop: no key_bias, positive scale")
+    tl.static_assert(FOLD_SCALE, "kv2_loop: no key_bias, positive scale")
     bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
         Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
         T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
-    if PREFETCH:
-        if count > 0:
-            k, v, live, ragged = load_kv(K, V, idx_row, 0, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,
-                                         BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA, False)
-            s = tl.dot(q, tl.trans(k))
-            for step in range(0, count):
-                nxt = tl.minimum(step + 1, count - 1)
-                k_n, v_n, live_n, ragged_n = load_kv(K, V, idx_row, nxt, bh, b, h, skb, skt, skh, skd, svb, svt,
-                                                     svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA, False)
-                s_n = tl.dot(q, tl.trans(k_n))
-                k_c, v, live_c, ragged_c = load_kv(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt,
-                                                   svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA, True)
-                m_i, l_i, acc = folded_step(s, v, live_c, ragged_c, m_i, l_i, acc, qk_scale, DOT_ACC, IFMASK)
-                s = s_n
-    else:
-        for step in range(0, count):
-            k, v, live, ragged = load_kv(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,
-                                         BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA, True)
-            m_i, l_i, acc = folded_step(tl.dot(q, tl.trans(k)), v, live, ragged, m_i, l_i, acc, qk_scale,
-                                        DOT_ACC, IFMASK)
+    for pair in range(0, (count + 1) // 2):
+        k0, v0, tok0, live0, ragged0 = key_block(K, V, idx_row, 2 * pair, bh, b, h, skb, skt, skh, skd,
+                                                 svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
+        has1 = 2 * pair + 1 < count
+        k1, v1, tok1, live1, ragged1 = key_block(K, V, idx_row, tl.minimum(2 * pair + 1, count - 1), bh, b, h,
+                                                 skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
+                                                 HEAD_DIM, BLOCK, KV_TMA)
+        s0 = raw_logits(q, k0, live0, ragged0)
+        s1 = raw_logits(q, k1, live1 & has1, ragged1 | (2 * pair + 1 >= count))
+        m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, 1), tl.max(s1, 1)) * qk_scale)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_ref)
+        p0 = tl.math.exp2(s0 * qk_scale - m_ref[:, None])
+        p1 = tl.math.exp2(s1 * qk_scale - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1)
+        m_i = m_new
+        if DOT_ACC:
+            acc = tl.dot(p1.to(v1.dtype), v1, tl.dot(p0.to(v0.dtype), v0, acc * alpha[:, None]))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p0.to(v0.dtype), v0) + tl.dot(p1.to(v1.dtype), v1)
     write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
                sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
 
 
-#: name -> candidate_loop's switches
+#: name -> kv2_loop's switches
 CANDIDATES = {
-    "loop": dict(DOT_ACC=False, IFMASK=False, PREFETCH=False),
-    "dotacc": dict(DOT_ACC=True, IFMASK=False, PREFETCH=False),
-    "ifmask": dict(DOT_ACC=False, IFMASK=True, PREFETCH=False),
-    "dotacc+ifmask": dict(DOT_ACC=True, IFMASK=True, PREFETCH=False),
-    "prefetch": dict(DOT_ACC=False, IFMASK=False, PREFETCH=True),
-    "prefetch+dotacc": dict(DOT_ACC=True, IFMASK=False, PREFETCH=True),
-    "prefetch+dotacc+ifmask": dict(DOT_ACC=True, IFMASK=True, PREFETCH=True),
+    "kv2": dict(DOT_ACC=False),
+    "kv2+dotacc": dict(DOT_ACC=True),
 }
 
 
 def run_candidate(name: str, problem, plan, config: KernelConfig):
-    """Launch :func:`candidate_loop` with the switches of ``CANDIDATES[name]`` (a correct output;
+    """Launch :func:`kv2_loop` with the switches of ``CANDIDATES[name]`` (a correct output;
     no key_bias, positive scale)."""
     if name not in CANDIDATES:
         raise ValueError(f"kernel_variants: argument 'name' received {name!r}; allowed: {', '.join(CANDIDATES)}")
-    return run_kernel(candidate_loop, problem, plan, config, constexprs=CANDIDATES[name])
+    return run_kernel(kv2_loop, problem, plan, config, constexprs=CANDIDATES[name])

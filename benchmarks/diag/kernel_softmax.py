@@ -2,15 +2,13 @@
 
 At 64-row tiles the kernel's loop is math-bound (about 440-490 TFLOP/s on an H200): the tensor
 cores wait for the softmax between QK^T and PV. ``benchmarks/kernel_variants.py``'s
-``candidate_loop`` changes the production loop one switch at a time (see ``CANDIDATES`` there:
-PV accumulating into the rescaled accumulator, the dead-key mask behind a branch, the next
-block's QK^T issued before this block's softmax). ``loop`` is the production loop rebuilt from
-the same pieces (a check that the candidates' scaffolding costs nothing). For top-k 10 %, 20 % and tau 1 + tail at
+``CANDIDATES`` are loops built from the production kernel's pieces (what each changes, and the
+candidates measured before, are listed there). For top-k 10 %, 20 % and tau 1 + tail at
 B=1, T=37296, H=56, D=128, bf16 (the inputs of ``plan_h3_fused.py``), each candidate is timed
 next to the production kernel (same plan, kernel only), with its error against the fp32
 definition and its difference from the production kernel's output.
 
-    python benchmarks/diag/kernel_softmax.py [--stages 3 2] [--names dotacc prefetch ...]
+    python benchmarks/diag/kernel_softmax.py [--stages 3 2] [--names kv2 ...]
     python benchmarks/diag/kernel_softmax.py --dry-run     # tiny shape, CPU interpreter
 """
 
