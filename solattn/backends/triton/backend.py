@@ -41,7 +41,8 @@ _CHOICE_WHY = {
 class KernelConfig:
     """Launch parameters of the kernel; every field is checked on construction.
 
-    - ``kv_per_iter``: 64-key blocks per loop step (only 1 ships; 2 lost to register pressure).
+    - ``kv_per_iter``: 64-key blocks per loop step (only 1 ships; 2 lost on an H200: to register
+      pressure with pointer loads, to one program per SM instead of two with TMA loads).
     - ``num_warps``: warps per program (4 or 8; 4 is the fast one for 64-row tiles).
     - ``num_stages``: pipeline depth of the key loop (2, 3 or 4).
     - ``tma``: load key/value blocks through ``(B, T, H, D)`` TMA tensor descriptors where the

@@ -160,8 +160,8 @@ def softmax_update(s, m_i, l_i, qk_scale, FOLD_SCALE: tl.constexpr):
     ``s`` is in base-2 units, or with ``FOLD_SCALE`` the raw ``q . k`` (dead keys -inf) still to be
     multiplied by ``qk_scale > 0``: the row max is then scaled once per row (a positive scale keeps
     the order) and each term's scale and shift are one fused multiply-add, one multiply per logit
-    fewer in a loop whose elementwise work is what the tensor cores wait for (7-8 % of the kernel's
-    time at H3 on an H200)."""
+    fewer in a loop whose elementwise work is what the tensor cores wait for (3 % of the kernel's
+    time at H3 on an H200, 8.97 -> 8.68 ms at top-k 10 %)."""
     if FOLD_SCALE:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
