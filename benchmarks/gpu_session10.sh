@@ -12,7 +12,6 @@
 #   plan_h3     diag/plan_h3_fused.py h3 seed: fused vs torch plan and end to end at H3, the seed in graphs
 #   flex        diag/flex_exact_branch.py at H3's size (T=37248, a multiple of 64): FlexAttention with the
 #               plan as block mask against the sdpa backend's gathers, top-k 10 % and 20 %
-#   softmax     diag/kernel_softmax.py: cheaper key-loop candidates against the production kernel at H3
 # e.g.  OUT=$OUT EXTRA_PYTHONPATH=$PWD/.whl/ck:$PWD/.whl/xdist bash benchmarks/gpu_session10.sh tests_x backward
 set -u
 cd "$(dirname "$0")/.."
@@ -47,8 +46,6 @@ for step in "$@"; do
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    softmax) timeout ${SOFTMAX_S:-240} python benchmarks/diag/kernel_softmax.py --stages ${SOFTMAX_STAGES:-3 2} ${SOFTMAX_NAMES:+--names $SOFTMAX_NAMES} \
-               > "$OUT/softmax.md" 2>&1; grep -E "^##|^\| [a-z]" "$OUT/softmax.md" | cut -c1-160 ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 flex softmax" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 flex" >&2; exit 2 ;;
   esac
 done

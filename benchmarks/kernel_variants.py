@@ -77,76 +77,13 @@ def run_variant(name: str, problem, plan, config: KernelConfig):
     return run_kernel(half_loop, problem, plan, config, constexprs=VARIANTS[name])
 
 
-
-# ----------------------------------------------------------------------------- key-loop candidates
-#
-# Measured on the H200 at H3, kernel only (results/h200/session12): against the loop of f65d347
-# (9.35 ms at top-k 10 %, 18.03 at 20 %), folding the scale into the softmax's FMA with K and V
-# loaded before the softmax took 8.68 / 16.77 ms, and at 0582787 masking only ragged blocks took
-# another 2 % (8.57 / 16.25 / 13.20 ms with tau 1 + tail); both are the production loop now.
-# Lost: the mask on a peeled last step (9.84 ms at 10 %), a lazy rescale behind a branch per step
-# (12.2), the next block's Q K^T issued before this block's softmax (9.78), and PV accumulating
-# into the rescaled accumulator made no difference (8.69 against 8.66). That code is in the
-# history at 0582787 (``candidate_loop``) and f65d347 (``fast_loop``).
-#
-# Candidate on top of the production loop:
-#
-# - KV2: two listed key blocks per loop step, each with its own 64 x 64 Q K^T and P V products,
-#   one online-softmax update for both (the 64 x D rescale and the per-row work paid once per
-#   128 keys). An odd list's last step pairs its block with a dead copy of itself. With pointer
-#   loads this lost to register pressure (18.3 against 14.2 ms at 10 %); TMA loads hold no
-#   registers.
-
-
-@gpu_jit
-def kv2_loop(
-    Q, K, V, Out, Gate,
-    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse, Resid,
-    sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd, sgb, sgt, sgh, sgd,
-    s_bias_b, T, H, n_blocks, max_blocks, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,
-    DOT_ACC: tl.constexpr,
-):
-    tl.static_assert(FOLD_SCALE, "kv2_loop: no key_bias, positive scale")
-    bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
-        Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
-        T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
-    for pair in range(0, (count + 1) // 2):
-        k0, v0, tok0, live0, ragged0 = key_block(K, V, idx_row, 2 * pair, bh, b, h, skb, skt, skh, skd,
-                                                 svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
-        has1 = 2 * pair + 1 < count
-        k1, v1, tok1, live1, ragged1 = key_block(K, V, idx_row, tl.minimum(2 * pair + 1, count - 1), bh, b, h,
-                                                 skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
-                                                 HEAD_DIM, BLOCK, KV_TMA)
-        s0 = raw_logits(q, k0, live0, ragged0)
-        s1 = raw_logits(q, k1, live1 & has1, ragged1 | (2 * pair + 1 >= count))
-        m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, 1), tl.max(s1, 1)) * qk_scale)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_ref)
-        p0 = tl.math.exp2(s0 * qk_scale - m_ref[:, None])
-        p1 = tl.math.exp2(s1 * qk_scale - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1)
-        m_i = m_new
-        if DOT_ACC:
-            acc = tl.dot(p1.to(v1.dtype), v1, tl.dot(p0.to(v0.dtype), v0, acc * alpha[:, None]))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p0.to(v0.dtype), v0) + tl.dot(p1.to(v1.dtype), v1)
-    write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
-               sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
-
-
-#: name -> kv2_loop's switches
-CANDIDATES = {
-    "kv2": dict(DOT_ACC=False),
-    "kv2+dotacc": dict(DOT_ACC=True),
-}
-
-
-def run_candidate(name: str, problem, plan, config: KernelConfig):
-    """Launch :func:`kv2_loop` with the switches of ``CANDIDATES[name]`` (a correct output;
-    no key_bias, positive scale)."""
-    if name not in CANDIDATES:
-        raise ValueError(f"kernel_variants: argument 'name' received {name!r}; allowed: {', '.join(CANDIDATES)}")
-    return run_kernel(kv2_loop, problem, plan, config, constexprs=CANDIDATES[name])
+# Key-loop candidates, measured on the H200 at H3, kernel only (results/h200/session12, with
+# benchmarks/diag/kernel_softmax.py): against the loop of f65d347 (9.35 ms at top-k 10 %, 18.03 at
+# 20 %), folding the scale into the softmax's FMA with K and V loaded before the softmax took
+# 8.68 / 16.77 ms, and masking only ragged blocks another 2 % (8.57 / 16.25 / 13.20 ms with tau 1 +
+# tail); both are the production loop now. Lost: the mask on a peeled last step (9.84 ms at 10 %),
+# a lazy rescale behind a branch per step (12.2), the next block's Q K^T issued before this
+# block's softmax (9.78), two key blocks per step with TMA loads (11.9-13.5, one program per SM
+# instead of two); PV accumulating into the rescaled accumulator made no difference (8.69 against
+# 8.66). That code, the timing script and its interpreter test are in the history: ``fast_loop``
+# at f65d347, ``candidate_loop`` at 0582787, ``kv2_loop`` and the script at d2320f6.
