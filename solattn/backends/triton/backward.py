@@ -37,7 +37,7 @@ import torch
 import triton.language as tl
 
 from ...validation import BLOCK, Problem
-from .kernel import LOG2E, block_logits, compiled, gpu_jit, query_block
+from .kernel import LOG2E, block_logits, compiled, gpu_jit, key_block, query_block
 
 
 def lse_shape(B: int, T: int, H: int) -> Tuple[int, int, int]:
@@ -102,15 +102,11 @@ def sol_attn_bwd_dq(
     key_mean = tl.load(KeyMean + bh.to(tl.int64) * HEAD_DIM + dims)
     count = tl.load(KvNum + plan_row)
     idx_row = KvIdx + plan_row * max_blocks
-    k_base = K + b * skb + h * skh
-    v_base = V + b * svb + h * svh
     bias_row = KeyBias + b * s_bias_b
     for step in range(0, count):
-        kv_block = tl.load(idx_row + step)
-        tok_k = (kv_block * BLOCK + rows).to(tl.int64)
-        live = rows < tl.load(BlockLen + kv_block)                     # dead rows are never keys
-        k = tl.load(k_base + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
-        v = tl.load(v_base + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
+        # the forward's pointer loads of the listed block (dead rows read as zeros, never keys)
+        k, v, tok_k, live, _ = key_block(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd,
+                                         svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, False)
         s = block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
