@@ -10,6 +10,9 @@
 #   tests_x     the same in 8 processes (pytest-xdist on PYTHONPATH, e.g. unzipped wheels carried in
 #               .whl/xdist: pip download pytest-xdist execnet; about 4 minutes on the H200 host)
 #   plan_h3     diag/plan_h3_fused.py h3 seed: fused vs torch plan and end to end at H3, the seed in graphs
+#   select_cost diag/select_cost.py: select-kernel ablations at H3 (temporary)
+#   loop_flags  diag/kernel_loop_flags.py: the key loop under tl.range options at H3 (temporary)
+#   seed_eager  diag/seed_eager.py: host cost of eager seed-shape calls (cProfile)
 #   flex        diag/flex_exact_branch.py at H3's size (T=37248, a multiple of 64): FlexAttention with the
 #               plan as block mask against the sdpa backend's gathers, top-k 10 % and 20 %
 # e.g.  OUT=$OUT EXTRA_PYTHONPATH=$PWD/.whl/ck:$PWD/.whl/xdist bash benchmarks/gpu_session10.sh tests_x backward
@@ -41,11 +44,17 @@ for step in "$@"; do
              tail -4 "$OUT/gpu_tests.log" ;;
     plan_h3) timeout 200 python benchmarks/diag/plan_h3_fused.py h3 seed > "$OUT/plan_h3.txt" 2>&1
              grep -E "^##|^fused|^kernel|^seed|^H3" "$OUT/plan_h3.txt" | cut -c1-300 ;;
+    select_cost) timeout 150 python benchmarks/diag/select_cost.py > "$OUT/select_cost.txt" 2>&1
+                 grep -E "^##|plan|failed" "$OUT/select_cost.txt" | cut -c1-200 ;;
+    loop_flags) timeout 200 python benchmarks/diag/kernel_loop_flags.py > "$OUT/loop_flags.txt" 2>&1
+                grep -E "^##|ms|failed" "$OUT/loop_flags.txt" | cut -c1-300 ;;
+    seed_eager) timeout 90 python benchmarks/diag/seed_eager.py > "$OUT/seed_eager.txt" 2>&1
+                head -60 "$OUT/seed_eager.txt" | cut -c1-160 ;;
     flex) for r in 0.1 0.2; do
             timeout 150 python benchmarks/diag/flex_exact_branch.py --T 37248 --H 56 --ratio $r --repeats 5 \
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 flex" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 select_cost loop_flags seed_eager flex" >&2; exit 2 ;;
   esac
 done

@@ -126,7 +126,8 @@ def fused_plan(problem: Problem) -> Plan:
 def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
     ``means_warps``, ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
-    bisection tile), ``select_warps`` and ``select_stages``."""
+    bisection tile), ``select_warps``, ``select_stages``, and ``select_kernel`` with its extra
+    ``select_constexprs`` (a diagnostic variant of the select kernel taking its arguments)."""
     tuning = tuning or {}
     from ..backends.triton.kernel import compiled  # imports Triton
     from . import fused_kernels as fk
@@ -186,12 +187,12 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if tail else m
     coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
     c = problem.scale * math.log2(math.e)
-    compiled(interpret, fk.select_kernel)[(-(-n // block_i), G)](
+    compiled(interpret, tuning.get("select_kernel", fk.select_kernel))[(-(-n // block_i), G)](
         qm, km, vm, m, var, L, scratch, theta,
         kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
-        DOT=precision,
+        DOT=precision, **tuning.get("select_constexprs", {}),
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
 
