@@ -10,7 +10,7 @@
 #   tests_x     the same in 8 processes (pytest-xdist on PYTHONPATH, e.g. unzipped wheels carried in
 #               .whl/xdist: pip download pytest-xdist execnet; about 4 minutes on the H200 host)
 #   plan_h3     diag/plan_h3_fused.py h3 seed: fused vs torch plan and end to end at H3, the seed in graphs
-#   select_cost diag/select_cost.py: select-kernel ablations at H3 (temporary)
+#   select_cost diag/select_cost.py: fused-plan launch sweep and e2e GPU timeline at H3
 #   loop_flags  diag/kernel_loop_flags.py: the key loop under tl.range options at H3 (temporary)
 #   seed_eager  diag/seed_eager.py: host cost of eager seed-shape calls (cProfile)
 #   flex        diag/flex_exact_branch.py at H3's size (T=37248, a multiple of 64): FlexAttention with the
@@ -44,8 +44,8 @@ for step in "$@"; do
              tail -4 "$OUT/gpu_tests.log" ;;
     plan_h3) timeout 200 python benchmarks/diag/plan_h3_fused.py h3 seed > "$OUT/plan_h3.txt" 2>&1
              grep -E "^##|^fused|^kernel|^seed|^H3" "$OUT/plan_h3.txt" | cut -c1-300 ;;
-    select_cost) timeout 150 python benchmarks/diag/select_cost.py > "$OUT/select_cost.txt" 2>&1
-                 grep -E "^##|plan|failed" "$OUT/select_cost.txt" | cut -c1-200 ;;
+    select_cost) timeout 240 python benchmarks/diag/select_cost.py > "$OUT/select_cost.txt" 2>&1
+                 grep -E "^##|plan|failed|start" "$OUT/select_cost.txt" | cut -c1-260 ;;
     loop_flags) timeout 200 python benchmarks/diag/kernel_loop_flags.py > "$OUT/loop_flags.txt" 2>&1
                 grep -E "^##|ms|failed" "$OUT/loop_flags.txt" | cut -c1-300 ;;
     seed_eager) timeout 90 python benchmarks/diag/seed_eager.py > "$OUT/seed_eager.txt" 2>&1

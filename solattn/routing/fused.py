@@ -178,21 +178,28 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     bj = tuning.get("bj", 64 if D <= 64 else 32)
     NP = _pow2(n)
     rb = tuning.get("rb", max(1, min(block_i, _SELECT_TILE_ELEMS // NP)))
+    c = problem.scale * math.log2(math.e)
     kv_num = torch.empty(G, n, dtype=i32, device=dev)
     kv_idx = torch.empty(G, n, n, dtype=i32, device=dev)
     touch = torch.empty(G, n, dtype=torch.int8, device=dev)
-    scratch = torch.empty(G, n, n, dtype=f32, device=dev) if sel == 1 else m
+    # scores of every (query block, key block) pair by a tiled GEMM, where the select kernel reads them
+    read_scores = sel == 1 or bool(tuning.get("read_scores", False))
+    scratch = torch.empty(G, n, n, dtype=f32, device=dev) if read_scores else m
+    if read_scores:
+        bm = tuning.get("scores_tile", 64)
+        compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // bm), G)](
+            qm, km, m, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, DOT=precision,
+            num_warps=tuning.get("scores_warps", 4))
     theta = torch.empty(G, n, dtype=i32, device=dev) if sel == 1 else kv_num
     tail_lse = torch.empty(G, n, dtype=f32, device=dev) if tail else m
     tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if tail else m
     coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
-    c = problem.scale * math.log2(math.e)
     compiled(interpret, tuning.get("select_kernel", fk.select_kernel))[(-(-n // block_i), G)](
         qm, km, vm, m, var, L, scratch, theta,
         kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
-        DOT=precision, **tuning.get("select_constexprs", {}),
+        DOT=precision, READ_SCORES=read_scores, **tuning.get("select_constexprs", {}),
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
 

@@ -76,6 +76,26 @@ def centroid_kernel(Km, Mout, Var, n,
 
 
 @gpu_jit
+def scores_kernel(Qm, Km, Mean, Scores, n, c,
+                  HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
+    """Routing scores ``c qm_i . (km_j - m)`` of one (BM query blocks, BN key blocks) tile of one
+    batch * head into the ``(G, n, n)`` fp32 ``Scores``: a plain tiled GEMM, so the select kernel
+    reads its scores instead of recomputing them from the key means for every 16 query blocks."""
+    g = tl.program_id(2).to(tl.int64)
+    ii = tl.program_id(0) * BM + tl.arange(0, BM)
+    jj = tl.program_id(1) * BN + tl.arange(0, BN)
+    dims = tl.arange(0, HEAD_DIM)
+    gn = g * n
+    q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=(ii < n)[:, None], other=0.0)
+    m = tl.load(Mean + g * HEAD_DIM + dims)
+    ok = jj < n
+    kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+    kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
+    r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
+    tl.store(Scores + (gn + ii)[:, None] * n + jj[None, :], r, mask=(ii < n)[:, None] & ok[None, :])
+
+
+@gpu_jit
 def order_key(r):
     # fp32 -> int32 whose signed order is the float order (+0.0 and -0.0 made equal first)
     bits = (r + 0.0).to(tl.int32, bitcast=True)
@@ -97,7 +117,8 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
                   NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
-                  DOT: tl.constexpr):            # tl.dot input_precision of every fp32 product
+                  DOT: tl.constexpr,             # tl.dot input_precision of every fp32 product
+                  READ_SCORES: tl.constexpr):    # tau / forced modes: scores read from Scratch too
     g = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_I
     ii = i0 + tl.arange(0, BLOCK_I)
@@ -111,16 +132,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
         var = tl.load(Var + g * HEAD_DIM + dims)
         thr = tau * tl.sqrt(cc * tl.sum(q * q * var[None, :], 1) + 1e-6)
     if SEL == 1:
-        # scores once into the scratch, then the kk-th largest per row (bisection over keys)
-        for j0 in range(0, n, BJ):
-            jj = j0 + cols
-            ok = jj < n
-            kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-            kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
-            r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
-            tl.store(Scratch + (gn + ii)[:, None] * n + jj[None, :], r,
-                     mask=row_ok[:, None] & ok[None, :])
-        tl.debug_barrier()
+        # the kk-th largest score per row (bisection over keys); scores_kernel wrote the scratch
         allc = tl.arange(0, NP)
         cand_ok = (allc < n) & ((allc < s0) | (allc >= s1))
         for r0 in range(0, BLOCK_I, RB):
@@ -170,9 +182,12 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             is_sink = (jj >= s0) & (jj < s1)
             sel = (order_key(r) >= theta[:, None]) & ~is_sink[None, :]
         else:
-            kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-            kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
-            r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
+            if READ_SCORES:
+                r = tl.load(Scratch + (gn + ii)[:, None] * n + jj[None, :], mask=both, other=0.0)
+            else:
+                kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+                kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
+                r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
             if SEL == 0:
                 sel = r > thr[:, None]
             else:
