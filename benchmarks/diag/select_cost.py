@@ -31,10 +31,12 @@ from solattn.validation import validate  # noqa: E402
 dev = torch.device("cuda")
 MODES = (("top-k 10 %", dict(topk_ratio=0.1)), ("top-k 20 %", dict(topk_ratio=0.2)),
          ("tau 1 + tail", dict(tau=1.0, tail=True)))
-COMMON = ["", "scores_tile=32", "scores_tile=128 scores_warps=8", "scores_warps=8", "bj=64", "bj=128",
-          "select_warps=8", "block_i=32", "block_i=32 select_warps=8"]
-TOPK = COMMON + ["rb=4", "rb=16", "bj=64 rb=4"]
-TAU = COMMON + ["read_scores=1", "read_scores=1 bj=64", "read_scores=1 bj=128", "read_scores=1 block_i=32"]
+#: launch settings (``fused._fused_plan`` tuning keys, "key=value ..."); the first sweep at 2c916fc
+#: (results/h200/session13/2c916fc/select_cost.txt) chose 64-wide scores tiles in 4 warps and kept the
+#: select kernel's 16 rows, 4 warps, bj 32, rb 8
+TOPK = ["", "ways=4", "scores_jt=2", "scores_jt=5", "scores_jt=10", "scores_jt=5 ways=4",
+        "scores_tile=128 scores_warps=8 scores_jt=5", "ways=4 rb=4", "ways=4 rb=16", "means_warps=1"]
+TAU = ["", "read_scores=1 scores_jt=5", "means_warps=1"]
 
 
 def med(fn, n=20, warm=3):

@@ -77,22 +77,25 @@ def centroid_kernel(Km, Mout, Var, n,
 
 @gpu_jit
 def scores_kernel(Qm, Km, Mean, Scores, n, c,
-                  HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
-    """Routing scores ``c qm_i . (km_j - m)`` of one (BM query blocks, BN key blocks) tile of one
-    batch * head into the ``(G, n, n)`` fp32 ``Scores``: a plain tiled GEMM, so the select kernel
-    reads its scores instead of recomputing them from the key means for every 16 query blocks."""
+                  HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, JT: tl.constexpr,
+                  DOT: tl.constexpr):
+    """Routing scores ``c qm_i . (km_j - m)`` of BM query blocks against JT tiles of BN key blocks,
+    one batch * head, into the ``(G, n, n)`` fp32 ``Scores``: a plain tiled GEMM, so the select
+    kernel reads its scores instead of recomputing them from the key means for every 16 query
+    blocks. The query tile is loaded once per program; the key tiles' loads are pipelined."""
     g = tl.program_id(2).to(tl.int64)
     ii = tl.program_id(0) * BM + tl.arange(0, BM)
-    jj = tl.program_id(1) * BN + tl.arange(0, BN)
     dims = tl.arange(0, HEAD_DIM)
     gn = g * n
     q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=(ii < n)[:, None], other=0.0)
     m = tl.load(Mean + g * HEAD_DIM + dims)
-    ok = jj < n
-    kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-    kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
-    r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
-    tl.store(Scores + (gn + ii)[:, None] * n + jj[None, :], r, mask=(ii < n)[:, None] & ok[None, :])
+    for t in range(0, JT):
+        jj = (tl.program_id(1) * JT + t) * BN + tl.arange(0, BN)
+        ok = jj < n
+        kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
+        r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
+        tl.store(Scores + (gn + ii)[:, None] * n + jj[None, :], r, mask=(ii < n)[:, None] & ok[None, :])
 
 
 @gpu_jit
@@ -110,6 +113,12 @@ def unsettled_rows(cnt_lo, lo, hi, kk):
 
 
 @gpu_jit
+def count_ge(key, cand_ok, t):
+    # per row of a bisection tile: candidates whose key is >= the row's threshold t (int64)
+    return tl.sum(((key >= t.to(tl.int32)[:, None]) & cand_ok[None, :]).to(tl.int32), 1)
+
+
+@gpu_jit
 def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
                   n, c, cc, tau, kk, s0, s1, q0, q1,
@@ -118,7 +127,8 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
                   NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                   DOT: tl.constexpr,             # tl.dot input_precision of every fp32 product
-                  READ_SCORES: tl.constexpr):    # tau / forced modes: scores read from Scratch too
+                  READ_SCORES: tl.constexpr,     # tau / forced modes: scores read from Scratch too
+                  WAYS: tl.constexpr = 2):       # top-k search: 2 bisection, 4 three probes per pass
     g = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_I
     ii = i0 + tl.arange(0, BLOCK_I)
@@ -152,12 +162,28 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             cnt_lo = tl.zeros([RB], tl.int32) + tl.sum(cand_ok.to(tl.int32), 0)
             unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
             while unsettled > 0:
-                mid = (lo + hi) >> 1
-                cnt = tl.sum(((key >= mid.to(tl.int32)[:, None]) & cand_ok[None, :]).to(tl.int32), 1)
-                ge = cnt >= kk
-                lo = tl.where(ge, mid, lo)
-                cnt_lo = tl.where(ge, cnt, cnt_lo)
-                hi = tl.where(ge, hi, mid)
+                if WAYS == 4:
+                    # three probes at the quarters: two halvings per pass, three independent counts
+                    w = hi - lo
+                    m1 = lo + (w >> 2)
+                    m2 = lo + (w >> 1)
+                    m3 = lo + ((3 * w) >> 2)
+                    c1 = count_ge(key, cand_ok, m1)
+                    c2 = count_ge(key, cand_ok, m2)
+                    c3 = count_ge(key, cand_ok, m3)
+                    g1 = c1 >= kk
+                    g2 = c2 >= kk
+                    g3 = c3 >= kk
+                    hi = tl.where(g3, hi, tl.where(g2, m3, tl.where(g1, m2, m1)))
+                    lo = tl.where(g3, m3, tl.where(g2, m2, tl.where(g1, m1, lo)))
+                    cnt_lo = tl.where(g3, c3, tl.where(g2, c2, tl.where(g1, c1, cnt_lo)))
+                else:
+                    mid = (lo + hi) >> 1
+                    cnt = count_ge(key, cand_ok, mid)
+                    ge = cnt >= kk
+                    lo = tl.where(ge, mid, lo)
+                    cnt_lo = tl.where(ge, cnt, cnt_lo)
+                    hi = tl.where(ge, hi, mid)
                 unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
             tl.store(Theta + gn + rr, lo.to(tl.int32), mask=rok)
         tl.debug_barrier()
