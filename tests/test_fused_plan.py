@@ -1,4 +1,4 @@
-"""The fused routing plan (three Triton kernels, run here by Triton's CPU interpreter) against
+"""The fused routing plan (four Triton kernels, run here by Triton's CPU interpreter) against
 the torch plan, its oracle.
 
 Inputs are solattn.testing.make_qkv (well separated blocks), whose routing scores sit far from
@@ -74,37 +74,44 @@ def test_sinks_and_sink_q_without_tail(mode):
     assert (got.kv_num_blocks[:, :, 4:6] == got.n).all()
 
 
+# top-k with a tail selects in key-block chunks, without one a bisection tile's whole rows at once
+# (the select kernel's WIDE path): the top-k tests below run both
+
+@pytest.mark.parametrize("tail", [True, False])
 @pytest.mark.parametrize("T", [1, 100, 130, 333])
-def test_ragged_T_and_tiny_n(T):
+def test_ragged_T_and_tiny_n(T, tail):
     # n = 1 (no top-k pick: forced block only), n = 2 (kk = 1), ragged last blocks
     q, k, v = make_qkv(1, T, 1, 64, dtype=torch.float32, seed=10 + T)
-    _compare(validate(q, k, v, topk_ratio=0.4, tail=True))
+    _compare(validate(q, k, v, topk_ratio=0.4, tail=tail))
 
 
-def test_block_len_dead_rows_hold_nan():
+@pytest.mark.parametrize("topk_tail", [True, False])
+def test_block_len_dead_rows_hold_nan(topk_tail):
     q, k, v = make_qkv(2, 520, 2, 64, dtype=torch.bfloat16, seed=5)
     n = 9
     L = torch.tensor([64, 10, 64, 1, 64, 33, 64, 64, 8], dtype=torch.int32)
     for j in range(n):
         for t in (q, k, v):
             t[:, j * 64 + int(L[j]):(j + 1) * 64] = float("nan")
-    for kw in (dict(topk_ratio=0.3), dict(tau=0.5)):
-        got, _ = _compare(validate(q, k, v, tail=True, block_len=L, **kw))
+    for kw in (dict(topk_ratio=0.3, tail=topk_tail), dict(tau=0.5, tail=True)):
+        got, _ = _compare(validate(q, k, v, block_len=L, **kw))
         assert got.touches_dead.any()
-        assert torch.isfinite(got.tail_value).all()
+        assert got.tail_value is None or torch.isfinite(got.tail_value).all()
 
 
-def test_topk_ties_select_more_than_k():
+@pytest.mark.parametrize("tail", [True, False])
+def test_topk_ties_select_more_than_k(tail):
     # identical key blocks: every centred key mean is 0, every score 0, so every block ties at
     # the k-th score and is kept (cand >= theta); counts exceed k, which the n-wide indices hold
     q, k, v = make_qkv(1, 512, 2, 32, dtype=torch.float32, seed=7)
     k = k[:, :64].repeat(1, 8, 1, 1)
-    got, _ = _compare(validate(q, k, v, topk_ratio=0.25, tail=True), clear=False)
+    got, _ = _compare(validate(q, k, v, topk_ratio=0.25, tail=tail), clear=False)
     assert (got.kv_num_blocks == 8).all()
 
 
+@pytest.mark.parametrize("tail", [True, False])
 @pytest.mark.parametrize("ratio", [0.25, 0.4])
-def test_topk_threshold_with_partial_ties(ratio):
+def test_topk_threshold_with_partial_ties(ratio, tail):
     # scores c * a_i * (s_j - mean s) with repeated s_j: depending on the row's sign the k-th
     # largest score is unique (the bisection may stop as soon as exactly k keys are above it) or
     # tied with others (it must run until lo is the k-th key and keep every tie); a_i = 0 ties
@@ -118,7 +125,7 @@ def test_topk_threshold_with_partial_ties(ratio):
         q[:, j * 64:(j + 1) * 64, 0, 0] = a[j]
         k[:, j * 64:(j + 1) * 64, 0, 0] = s[j]
     v = torch.randn(1, n * 64, 1, D, generator=torch.Generator().manual_seed(0))
-    got, want = _compare(validate(q, k, v, topk_ratio=ratio, tail=True), clear=False)
+    got, want = _compare(validate(q, k, v, topk_ratio=ratio, tail=tail), clear=False)
     counts = got.kv_num_blocks[0, 0].tolist()
     assert counts[2] == n and counts[10] == n, "a row of equal scores keeps every block"
     kk = solattn.routing.select.topk_count(ratio, n)

@@ -29,14 +29,14 @@ from solattn.testing import make_qkv  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
 dev = torch.device("cuda")
-MODES = (("top-k 10 %", dict(topk_ratio=0.1)), ("top-k 20 %", dict(topk_ratio=0.2)),
+MODES = (("top-k 10 %", dict(topk_ratio=0.1, tail=False)), ("top-k 20 %", dict(topk_ratio=0.2, tail=False)),
          ("tau 1 + tail", dict(tau=1.0, tail=True)))
-#: launch settings (``fused._fused_plan`` tuning keys, "key=value ..."); the first sweep at 2c916fc
-#: (results/h200/session13/2c916fc/select_cost.txt) chose 64-wide scores tiles in 4 warps and kept the
-#: select kernel's 16 rows, 4 warps, bj 32, rb 8
-TOPK = ["", "ways=4", "scores_jt=2", "scores_jt=5", "scores_jt=10", "scores_jt=5 ways=4",
-        "scores_tile=128 scores_warps=8 scores_jt=5", "ways=4 rb=4", "ways=4 rb=16", "means_warps=1"]
-TAU = ["", "read_scores=1 scores_jt=5", "means_warps=1"]
+#: launch settings (``fused._fused_plan`` tuning keys, "key=value ..."). The sweeps at 2c916fc and
+#: 045cf55 (results/h200/session13/; their top-k rows ran with the tail, validate's default) chose
+#: 64-wide scores tiles in 4 warps, one tile per program, kept bisection over three probes per pass and
+#: the select kernel's 16 rows, 4 warps, bj 32, rb 8; this one weighs the whole-row top-k selection (wide).
+TOPK = ["", "wide=0", "rb=4", "rb=16", "select_warps=8", "block_i=32", "block_i=32 select_warps=8"]
+TAU = ["", "read_scores=1"]
 
 
 def med(fn, n=20, warm=3):

@@ -126,9 +126,9 @@ def fused_plan(problem: Problem) -> Plan:
 def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
     ``means_warps``, ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
-    bisection tile), ``select_warps``, ``select_stages``, ``ways`` (2: bisection, 4: three probes
-    per pass), ``scores_tile``, ``scores_jt`` (key tiles per scores program), ``scores_warps``,
-    ``read_scores`` (tau mode reads the scores kernel's output), and ``select_kernel`` with its extra
+    bisection tile), ``select_warps``, ``select_stages``, ``scores_tile``, ``scores_warps``,
+    ``read_scores`` (tau mode reads the scores kernel's output), ``wide`` (0: top-k selects in
+    chunks even without tail and coarse terms), and ``select_kernel`` with its extra
     ``select_constexprs`` (a diagnostic variant of the select kernel taking its arguments)."""
     tuning = tuning or {}
     from ..backends.triton.kernel import compiled  # imports Triton
@@ -189,9 +189,8 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     scratch = torch.empty(G, n, n, dtype=f32, device=dev) if read_scores else m
     if read_scores:
         bm = tuning.get("scores_tile", 64)
-        jt = tuning.get("scores_jt", 1)
-        compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // (bm * jt)), G)](
-            qm, km, m, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, JT=jt, DOT=precision,
+        compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // bm), G)](
+            qm, km, m, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, DOT=precision,
             num_warps=tuning.get("scores_warps", 4))
     theta = torch.empty(G, n, dtype=i32, device=dev) if sel == 1 else kv_num
     tail_lse = torch.empty(G, n, dtype=f32, device=dev) if tail else m
@@ -202,7 +201,8 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
-        DOT=precision, READ_SCORES=read_scores, WAYS=tuning.get("ways", 2), **tuning.get("select_constexprs", {}),
+        DOT=precision, READ_SCORES=read_scores, WIDE=bool(tuning.get("wide", sel == 1 and not (tail or coarse))),
+        **tuning.get("select_constexprs", {}),
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
 

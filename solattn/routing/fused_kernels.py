@@ -77,25 +77,24 @@ def centroid_kernel(Km, Mout, Var, n,
 
 @gpu_jit
 def scores_kernel(Qm, Km, Mean, Scores, n, c,
-                  HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, JT: tl.constexpr,
-                  DOT: tl.constexpr):
-    """Routing scores ``c qm_i . (km_j - m)`` of BM query blocks against JT tiles of BN key blocks,
-    one batch * head, into the ``(G, n, n)`` fp32 ``Scores``: a plain tiled GEMM, so the select
-    kernel reads its scores instead of recomputing them from the key means for every 16 query
-    blocks. The query tile is loaded once per program; the key tiles' loads are pipelined."""
+                  HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
+    """Routing scores ``c qm_i . (km_j - m)`` of one (BM query blocks, BN key blocks) tile of one
+    batch * head into the ``(G, n, n)`` fp32 ``Scores``: a plain tiled GEMM, so the select kernel
+    reads its scores instead of recomputing them from the key means for every 16 query blocks
+    (0.13 ms at H3 on an H200, where that recomputation took 0.43 ms of the select kernel; key
+    tiles looped over in one program with pipelined loads took 0.21-0.25 ms)."""
     g = tl.program_id(2).to(tl.int64)
     ii = tl.program_id(0) * BM + tl.arange(0, BM)
+    jj = tl.program_id(1) * BN + tl.arange(0, BN)
     dims = tl.arange(0, HEAD_DIM)
     gn = g * n
     q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=(ii < n)[:, None], other=0.0)
     m = tl.load(Mean + g * HEAD_DIM + dims)
-    for t in range(0, JT):
-        jj = (tl.program_id(1) * JT + t) * BN + tl.arange(0, BN)
-        ok = jj < n
-        kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-        kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
-        r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
-        tl.store(Scores + (gn + ii)[:, None] * n + jj[None, :], r, mask=(ii < n)[:, None] & ok[None, :])
+    ok = jj < n
+    kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+    kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
+    r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
+    tl.store(Scores + (gn + ii)[:, None] * n + jj[None, :], r, mask=(ii < n)[:, None] & ok[None, :])
 
 
 @gpu_jit
@@ -119,6 +118,31 @@ def count_ge(key, cand_ok, t):
 
 
 @gpu_jit
+def write_selection(KvIdx, Lens, sel, ii, jj, row_ok, ok, count, gn, n, s0, s1, q0, q1, BLOCK: tl.constexpr):
+    """Rows ``ii`` against key blocks ``jj``: ``sel`` plus the forced blocks (neighbours, sink
+    blocks, sink-query rows), written into ``kv_indices`` after each row's first ``count`` entries.
+    Returns ``(sel, L, count, touch)``: the full selection, the blocks' live lengths, the new
+    counts and whether a row selected a ragged block."""
+    near = (jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1)
+    sink_row = (ii >= q0) & (ii < q1)
+    forced = near | ((jj >= s0) & (jj < s1))[None, :] | sink_row[:, None]
+    sel = (sel | forced) & row_ok[:, None] & ok[None, :]
+    L = tl.load(Lens + jj, mask=ok, other=BLOCK)
+    touch = tl.max((sel & (L < BLOCK)[None, :]).to(tl.int32), 1)
+    seli = sel.to(tl.int32)
+    pos = count[:, None] + tl.cumsum(seli, 1) - 1
+    tl.store(KvIdx + (gn + ii)[:, None] * n + pos, jj[None, :] + seli * 0, mask=sel)
+    return sel, L, count + tl.sum(seli, 1), touch
+
+
+@gpu_jit
+def pad_rows(KvIdx, gn, ii, ww, row_ok, count, n):
+    # kv_indices entries ww of rows ii at or past the row's count are 0
+    pad = row_ok[:, None] & (ww[None, :] < n) & (ww[None, :] >= count[:, None])
+    tl.store(KvIdx + (gn + ii)[:, None] * n + ww[None, :], pad.to(tl.int32) * 0, mask=pad)
+
+
+@gpu_jit
 def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
                   n, c, cc, tau, kk, s0, s1, q0, q1,
@@ -128,16 +152,18 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                   DOT: tl.constexpr,             # tl.dot input_precision of every fp32 product
                   READ_SCORES: tl.constexpr,     # tau / forced modes: scores read from Scratch too
-                  WAYS: tl.constexpr = 2):       # top-k search: 2 bisection, 4 three probes per pass
+                  WIDE: tl.constexpr):           # top-k without tail and coarse terms: each bisection
+                                                 # tile's rows are selected and written whole
     g = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_I
     ii = i0 + tl.arange(0, BLOCK_I)
     row_ok = ii < n
     dims = tl.arange(0, HEAD_DIM)
-    cols = tl.arange(0, BJ)
     gn = g * n
     q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
     m = tl.load(Mean + g * HEAD_DIM + dims)
+    thr = tl.zeros([BLOCK_I], tl.float32)        # tau mode's per-row threshold
+    theta = tl.zeros([BLOCK_I], tl.int32)        # top-k mode's per-row threshold key
     if SEL == 0:
         var = tl.load(Var + g * HEAD_DIM + dims)
         thr = tau * tl.sqrt(cc * tl.sum(q * q * var[None, :], 1) + 1e-6)
@@ -162,33 +188,42 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             cnt_lo = tl.zeros([RB], tl.int32) + tl.sum(cand_ok.to(tl.int32), 0)
             unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
             while unsettled > 0:
-                if WAYS == 4:
-                    # three probes at the quarters: two halvings per pass, three independent counts
-                    w = hi - lo
-                    m1 = lo + (w >> 2)
-                    m2 = lo + (w >> 1)
-                    m3 = lo + ((3 * w) >> 2)
-                    c1 = count_ge(key, cand_ok, m1)
-                    c2 = count_ge(key, cand_ok, m2)
-                    c3 = count_ge(key, cand_ok, m3)
-                    g1 = c1 >= kk
-                    g2 = c2 >= kk
-                    g3 = c3 >= kk
-                    hi = tl.where(g3, hi, tl.where(g2, m3, tl.where(g1, m2, m1)))
-                    lo = tl.where(g3, m3, tl.where(g2, m2, tl.where(g1, m1, lo)))
-                    cnt_lo = tl.where(g3, c3, tl.where(g2, c2, tl.where(g1, c1, cnt_lo)))
-                else:
-                    mid = (lo + hi) >> 1
-                    cnt = count_ge(key, cand_ok, mid)
-                    ge = cnt >= kk
-                    lo = tl.where(ge, mid, lo)
-                    cnt_lo = tl.where(ge, cnt, cnt_lo)
-                    hi = tl.where(ge, hi, mid)
+                mid = (lo + hi) >> 1
+                cnt = count_ge(key, cand_ok, mid)
+                ge = cnt >= kk
+                lo = tl.where(ge, mid, lo)
+                cnt_lo = tl.where(ge, cnt, cnt_lo)
+                hi = tl.where(ge, hi, mid)
                 unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
-            tl.store(Theta + gn + rr, lo.to(tl.int32), mask=rok)
-        tl.debug_barrier()
-        theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)
-    sink_row = (ii >= q0) & (ii < q1)
+            if WIDE:
+                # the tile's rows are whole: select, scatter and pad them here, no second pass
+                top = (key >= lo.to(tl.int32)[:, None]) & cand_ok[None, :]
+                sel, L, cnt, touch = write_selection(KvIdx, Lens, top, rr, allc, rok, allc < n,
+                                                     tl.zeros([RB], tl.int32), gn, n, s0, s1, q0, q1, BLOCK)
+                tl.store(KvNum + gn + rr, cnt, mask=rok)
+                tl.store(Touch + gn + rr, touch.to(tl.int8), mask=rok)
+                pad_rows(KvIdx, gn, rr, allc, rok, cnt, n)
+            else:
+                tl.store(Theta + gn + rr, lo.to(tl.int32), mask=rok)
+        if not WIDE:
+            tl.debug_barrier()
+            theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)
+    if not WIDE:
+        select_chunks(Qm, Km, Vm, Lens, Scratch, KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
+                      q, m, thr, theta, ii, row_ok, gn, n, c, s0, s1, q0, q1,
+                      SEL, HAS_TAIL, HAS_COARSE, HEAD_DIM, BLOCK_I, BJ, BLOCK, DOT, READ_SCORES)
+
+
+@gpu_jit
+def select_chunks(Qm, Km, Vm, Lens, Scratch, KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
+                  q, m, thr, theta, ii, row_ok, gn, n, c, s0, s1, q0, q1,
+                  SEL: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr, BLOCK: tl.constexpr,
+                  DOT: tl.constexpr, READ_SCORES: tl.constexpr):
+    """The select kernel's pass over key-block chunks of BJ: selection (tau threshold ``thr``, top-k
+    threshold key ``theta``, or forced blocks only), its indices, and the tail and coarse terms."""
+    dims = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BJ)
     count = tl.zeros([BLOCK_I], tl.int32)
     touches = tl.zeros([BLOCK_I], tl.int32)
     if HAS_TAIL:
@@ -218,16 +253,9 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                 sel = r > thr[:, None]
             else:
                 sel = tl.zeros([BLOCK_I, BJ], tl.int1)
-        near = (jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1)
-        forced = near | ((jj >= s0) & (jj < s1))[None, :] | sink_row[:, None]
-        sel = (sel | forced) & both
-        L = tl.load(Lens + jj, mask=ok, other=BLOCK)
-        touches = tl.maximum(touches, tl.max((sel & (L < BLOCK)[None, :]).to(tl.int32), 1))
-        seli = sel.to(tl.int32)
-        pos = count[:, None] + tl.cumsum(seli, 1) - 1
-        tl.store(KvIdx + (gn + ii)[:, None] * n + pos, jj[None, :] + tl.zeros([BLOCK_I, BJ], tl.int32),
-                 mask=sel)
-        count += tl.sum(seli, 1)
+        sel, L, count, touch = write_selection(KvIdx, Lens, sel, ii, jj, row_ok, ok, count, gn, n,
+                                               s0, s1, q0, q1, BLOCK)
+        touches = tl.maximum(touches, touch)
         if HAS_TAIL or HAS_COARSE:
             vm = tl.load(Vm + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
         if HAS_TAIL:
@@ -252,9 +280,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
     tl.store(KvNum + gn + ii, count, mask=row_ok)
     tl.store(Touch + gn + ii, touches.to(tl.int8), mask=row_ok)
     for w0 in range(0, n, BJ):            # padding after the count
-        ww = w0 + cols
-        pad = row_ok[:, None] & (ww[None, :] < n) & (ww[None, :] >= count[:, None])
-        tl.store(KvIdx + (gn + ii)[:, None] * n + ww[None, :], tl.zeros([BLOCK_I, BJ], tl.int32), mask=pad)
+        pad_rows(KvIdx, gn, ii, w0 + cols, row_ok, count, n)
     out = (gn + ii)[:, None] * HEAD_DIM + dims[None, :]
     if HAS_TAIL:
         live = t_sum > 0.0
