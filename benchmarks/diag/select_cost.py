@@ -31,11 +31,12 @@ from solattn.validation import validate  # noqa: E402
 dev = torch.device("cuda")
 MODES = (("top-k 10 %", dict(topk_ratio=0.1, tail=False)), ("top-k 20 %", dict(topk_ratio=0.2, tail=False)),
          ("tau 1 + tail", dict(tau=1.0, tail=True)))
-#: launch settings (``fused._fused_plan`` tuning keys, "key=value ..."). The sweeps at 2c916fc and
-#: 045cf55 (results/h200/session13/; their top-k rows ran with the tail, validate's default) chose
-#: 64-wide scores tiles in 4 warps, one tile per program, kept bisection over three probes per pass and
-#: the select kernel's 16 rows, 4 warps, bj 32, rb 8; this one weighs the whole-row top-k selection (wide).
-TOPK = ["", "wide=0", "rb=4", "rb=16", "select_warps=8", "block_i=32", "block_i=32 select_warps=8"]
+#: launch settings (``fused._fused_plan`` tuning keys, "key=value ..."). Sweeps at 2c916fc, 045cf55
+#: and d3f0c89 (results/h200/session13/; the first two ran their top-k rows with the tail, validate's
+#: default) kept 64 x 64 score tiles in 4 warps and the select kernel's 16 rows, 4 warps, bj 32, rb 8;
+#: three probes per bisection pass (+0.13 ms), key tiles looped in one scores program (+0.08-0.11 ms)
+#: and selecting a bisection tile's whole rows at once (+0.13 ms) lost and were removed.
+TOPK = ["", "rb=4", "rb=16", "select_warps=8", "block_i=32", "scores_tile=32", "scores_warps=8"]
 TAU = ["", "read_scores=1"]
 
 

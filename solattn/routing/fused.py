@@ -1,15 +1,21 @@
-"""The routing plan of ``sol_attn`` in three Triton kernels (GPU inference path).
+"""The routing plan of ``sol_attn`` in four Triton kernels (GPU inference path).
 
 The torch plan (:func:`.plan.assemble_plan`) is a few dozen small operations plus one host
 synchronisation (the width of ``kv_indices``); on a GPU at small T it is launch-bound and
-costs more than the attention kernel. Here the same plan takes three launches and no sync:
+costs more than the attention kernel. Here the same plan takes four launches (three in tau mode)
+and no sync:
 
-1. :func:`_means_kernel`, one program per (block, batch * head): fp32 means of q, k, v over
+1. :func:`.fused_kernels.means_kernel`, one program per (block, batch * head): fp32 means of q, k, v over
    the live rows of the block, and the live lengths ``L_j``.
-2. :func:`_centroid_kernel`, one program per batch * head: the key centroid ``m`` and, in tau
+2. :func:`.fused_kernels.centroid_kernel`, one program per batch * head: the key centroid ``m`` and, in tau
    mode, the population variance of the centred key means over blocks.
-3. :func:`_select_kernel`, one program per (tile of query-block rows, batch * head): routing
-   scores against every key block, the threshold (tau) or the k-th largest score (top-k,
+3. :func:`.fused_kernels.scores_kernel` (top-k mode), one program per (64 x 64 tile of block pairs, batch *
+   head): the routing scores ``scale log2(e) qm_i . (km_j - m)`` into an ``(n, n)`` fp32 scratch
+   per batch * head. A tiled GEMM reads the key means once per 64 query blocks; recomputed
+   inside the select kernel for every 16 query blocks they cost 0.43 ms at H3 on an H200,
+   as a separate kernel 0.13 ms.
+4. :func:`.fused_kernels.select_kernel`, one program per (tile of query-block rows, batch * head): the
+   threshold (tau, scores computed here) or the k-th largest score (top-k, read from the scratch,
    found by bisection over order-preserving int32 keys, ties kept like ``cand >= theta``), the
    forced blocks, ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded), ``touches_dead``,
    and the tail and coarse terms by an online softmax over key-block chunks.
@@ -80,7 +86,7 @@ def _triton_importable() -> bool:
 
 def fused_plan_bytes(problem: Problem) -> int:
     """Device bytes the fused plan allocates beyond its fp32 means: ``kv_indices`` at width n
-    and, in top-k mode, an fp32 score scratch of the same size."""
+    and, in top-k mode, the scores kernel's fp32 scratch of the same size."""
     G, n = problem.B * problem.H, problem.n
     per = 8 if problem.topk_ratio > 0 else 4
     return G * n * n * per
@@ -95,8 +101,8 @@ def fused_plan_usable(problem: Problem) -> bool:
 
     On an H200 the fused plan is the faster one at every size measured (bf16, D=128): at the seed
     shape (B=2, T=4056, H=16) its kernels take 0.05-0.07 ms of GPU time against the torch plan's
-    1.0 ms of mostly launch-bound work, and at H3 (B=1, T=37296, H=56) 1.1 ms against 2.4-2.8 ms
-    (``benchmarks/diag/plan_h3_fused.py``)."""
+    1.0 ms of mostly launch-bound work, and at H3 (B=1, T=37296, H=56) 0.77 ms (top-k) and
+    1.1 ms (tau with the tail) against 2.5-2.9 ms (``benchmarks/diag/plan_h3_fused.py``)."""
     dev = problem.device.type
     if not (dev == "cuda" or (dev == "cpu" and _interpreting())):
         return False
@@ -127,9 +133,9 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
     ``means_warps``, ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
     bisection tile), ``select_warps``, ``select_stages``, ``scores_tile``, ``scores_warps``,
-    ``read_scores`` (tau mode reads the scores kernel's output), ``wide`` (0: top-k selects in
-    chunks even without tail and coarse terms), and ``select_kernel`` with its extra
-    ``select_constexprs`` (a diagnostic variant of the select kernel taking its arguments)."""
+    ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), and
+    ``select_kernel`` with its extra ``select_constexprs`` (a diagnostic variant of the select
+    kernel taking its arguments)."""
     tuning = tuning or {}
     from ..backends.triton.kernel import compiled  # imports Triton
     from . import fused_kernels as fk
@@ -184,7 +190,11 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     kv_num = torch.empty(G, n, dtype=i32, device=dev)
     kv_idx = torch.empty(G, n, n, dtype=i32, device=dev)
     touch = torch.empty(G, n, dtype=torch.int8, device=dev)
-    # scores of every (query block, key block) pair by a tiled GEMM, where the select kernel reads them
+    # top-k: scores of every (query block, key block) pair by a tiled GEMM, read by the select kernel.
+    # Tau mode computes its scores in the select kernel: reading them instead took the same time
+    # at H3 on an H200 (0.53 + 0.13 ms against 0.67 ms; results/h200/session13/d3f0c89), and skips
+    # the scratch. 64 x 64 tiles in 4 warps: 0.13 ms, against 0.34 ms with 32 x 32 tiles, 0.22 ms
+    # with 8 warps, and 0.21-0.25 ms with key tiles looped over in one program (045cf55).
     read_scores = sel == 1 or bool(tuning.get("read_scores", False))
     scratch = torch.empty(G, n, n, dtype=f32, device=dev) if read_scores else m
     if read_scores:
@@ -201,8 +211,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
-        DOT=precision, READ_SCORES=read_scores, WIDE=bool(tuning.get("wide", sel == 1 and not (tail or coarse))),
-        **tuning.get("select_constexprs", {}),
+        DOT=precision, READ_SCORES=read_scores, **tuning.get("select_constexprs", {}),
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
 

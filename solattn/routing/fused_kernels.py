@@ -81,8 +81,7 @@ def scores_kernel(Qm, Km, Mean, Scores, n, c,
     """Routing scores ``c qm_i . (km_j - m)`` of one (BM query blocks, BN key blocks) tile of one
     batch * head into the ``(G, n, n)`` fp32 ``Scores``: a plain tiled GEMM, so the select kernel
     reads its scores instead of recomputing them from the key means for every 16 query blocks
-    (0.13 ms at H3 on an H200, where that recomputation took 0.43 ms of the select kernel; key
-    tiles looped over in one program with pipelined loads took 0.21-0.25 ms)."""
+    (0.13 ms at H3 on an H200 against 0.43 ms inside the select kernel)."""
     g = tl.program_id(2).to(tl.int64)
     ii = tl.program_id(0) * BM + tl.arange(0, BM)
     jj = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -112,37 +111,6 @@ def unsettled_rows(cnt_lo, lo, hi, kk):
 
 
 @gpu_jit
-def count_ge(key, cand_ok, t):
-    # per row of a bisection tile: candidates whose key is >= the row's threshold t (int64)
-    return tl.sum(((key >= t.to(tl.int32)[:, None]) & cand_ok[None, :]).to(tl.int32), 1)
-
-
-@gpu_jit
-def write_selection(KvIdx, Lens, sel, ii, jj, row_ok, ok, count, gn, n, s0, s1, q0, q1, BLOCK: tl.constexpr):
-    """Rows ``ii`` against key blocks ``jj``: ``sel`` plus the forced blocks (neighbours, sink
-    blocks, sink-query rows), written into ``kv_indices`` after each row's first ``count`` entries.
-    Returns ``(sel, L, count, touch)``: the full selection, the blocks' live lengths, the new
-    counts and whether a row selected a ragged block."""
-    near = (jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1)
-    sink_row = (ii >= q0) & (ii < q1)
-    forced = near | ((jj >= s0) & (jj < s1))[None, :] | sink_row[:, None]
-    sel = (sel | forced) & row_ok[:, None] & ok[None, :]
-    L = tl.load(Lens + jj, mask=ok, other=BLOCK)
-    touch = tl.max((sel & (L < BLOCK)[None, :]).to(tl.int32), 1)
-    seli = sel.to(tl.int32)
-    pos = count[:, None] + tl.cumsum(seli, 1) - 1
-    tl.store(KvIdx + (gn + ii)[:, None] * n + pos, jj[None, :] + seli * 0, mask=sel)
-    return sel, L, count + tl.sum(seli, 1), touch
-
-
-@gpu_jit
-def pad_rows(KvIdx, gn, ii, ww, row_ok, count, n):
-    # kv_indices entries ww of rows ii at or past the row's count are 0
-    pad = row_ok[:, None] & (ww[None, :] < n) & (ww[None, :] >= count[:, None])
-    tl.store(KvIdx + (gn + ii)[:, None] * n + ww[None, :], pad.to(tl.int32) * 0, mask=pad)
-
-
-@gpu_jit
 def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
                   n, c, cc, tau, kk, s0, s1, q0, q1,
@@ -151,19 +119,16 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
                   NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                   DOT: tl.constexpr,             # tl.dot input_precision of every fp32 product
-                  READ_SCORES: tl.constexpr,     # tau / forced modes: scores read from Scratch too
-                  WIDE: tl.constexpr):           # top-k without tail and coarse terms: each bisection
-                                                 # tile's rows are selected and written whole
+                  READ_SCORES: tl.constexpr):    # tau / forced modes: scores read from Scratch too
     g = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_I
     ii = i0 + tl.arange(0, BLOCK_I)
     row_ok = ii < n
     dims = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BJ)
     gn = g * n
     q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
     m = tl.load(Mean + g * HEAD_DIM + dims)
-    thr = tl.zeros([BLOCK_I], tl.float32)        # tau mode's per-row threshold
-    theta = tl.zeros([BLOCK_I], tl.int32)        # top-k mode's per-row threshold key
     if SEL == 0:
         var = tl.load(Var + g * HEAD_DIM + dims)
         thr = tau * tl.sqrt(cc * tl.sum(q * q * var[None, :], 1) + 1e-6)
@@ -189,41 +154,16 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
             while unsettled > 0:
                 mid = (lo + hi) >> 1
-                cnt = count_ge(key, cand_ok, mid)
+                cnt = tl.sum(((key >= mid.to(tl.int32)[:, None]) & cand_ok[None, :]).to(tl.int32), 1)
                 ge = cnt >= kk
                 lo = tl.where(ge, mid, lo)
                 cnt_lo = tl.where(ge, cnt, cnt_lo)
                 hi = tl.where(ge, hi, mid)
                 unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
-            if WIDE:
-                # the tile's rows are whole: select, scatter and pad them here, no second pass
-                top = (key >= lo.to(tl.int32)[:, None]) & cand_ok[None, :]
-                sel, L, cnt, touch = write_selection(KvIdx, Lens, top, rr, allc, rok, allc < n,
-                                                     tl.zeros([RB], tl.int32), gn, n, s0, s1, q0, q1, BLOCK)
-                tl.store(KvNum + gn + rr, cnt, mask=rok)
-                tl.store(Touch + gn + rr, touch.to(tl.int8), mask=rok)
-                pad_rows(KvIdx, gn, rr, allc, rok, cnt, n)
-            else:
-                tl.store(Theta + gn + rr, lo.to(tl.int32), mask=rok)
-        if not WIDE:
-            tl.debug_barrier()
-            theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)
-    if not WIDE:
-        select_chunks(Qm, Km, Vm, Lens, Scratch, KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
-                      q, m, thr, theta, ii, row_ok, gn, n, c, s0, s1, q0, q1,
-                      SEL, HAS_TAIL, HAS_COARSE, HEAD_DIM, BLOCK_I, BJ, BLOCK, DOT, READ_SCORES)
-
-
-@gpu_jit
-def select_chunks(Qm, Km, Vm, Lens, Scratch, KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
-                  q, m, thr, theta, ii, row_ok, gn, n, c, s0, s1, q0, q1,
-                  SEL: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr, BLOCK: tl.constexpr,
-                  DOT: tl.constexpr, READ_SCORES: tl.constexpr):
-    """The select kernel's pass over key-block chunks of BJ: selection (tau threshold ``thr``, top-k
-    threshold key ``theta``, or forced blocks only), its indices, and the tail and coarse terms."""
-    dims = tl.arange(0, HEAD_DIM)
-    cols = tl.arange(0, BJ)
+            tl.store(Theta + gn + rr, lo.to(tl.int32), mask=rok)
+        tl.debug_barrier()
+        theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)
+    sink_row = (ii >= q0) & (ii < q1)
     count = tl.zeros([BLOCK_I], tl.int32)
     touches = tl.zeros([BLOCK_I], tl.int32)
     if HAS_TAIL:
@@ -253,9 +193,16 @@ def select_chunks(Qm, Km, Vm, Lens, Scratch, KvNum, KvIdx, Touch, TailLse, TailV
                 sel = r > thr[:, None]
             else:
                 sel = tl.zeros([BLOCK_I, BJ], tl.int1)
-        sel, L, count, touch = write_selection(KvIdx, Lens, sel, ii, jj, row_ok, ok, count, gn, n,
-                                               s0, s1, q0, q1, BLOCK)
-        touches = tl.maximum(touches, touch)
+        near = (jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1)
+        forced = near | ((jj >= s0) & (jj < s1))[None, :] | sink_row[:, None]
+        sel = (sel | forced) & both
+        L = tl.load(Lens + jj, mask=ok, other=BLOCK)
+        touches = tl.maximum(touches, tl.max((sel & (L < BLOCK)[None, :]).to(tl.int32), 1))
+        seli = sel.to(tl.int32)
+        pos = count[:, None] + tl.cumsum(seli, 1) - 1
+        tl.store(KvIdx + (gn + ii)[:, None] * n + pos, jj[None, :] + tl.zeros([BLOCK_I, BJ], tl.int32),
+                 mask=sel)
+        count += tl.sum(seli, 1)
         if HAS_TAIL or HAS_COARSE:
             vm = tl.load(Vm + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
         if HAS_TAIL:
@@ -280,7 +227,9 @@ def select_chunks(Qm, Km, Vm, Lens, Scratch, KvNum, KvIdx, Touch, TailLse, TailV
     tl.store(KvNum + gn + ii, count, mask=row_ok)
     tl.store(Touch + gn + ii, touches.to(tl.int8), mask=row_ok)
     for w0 in range(0, n, BJ):            # padding after the count
-        pad_rows(KvIdx, gn, ii, w0 + cols, row_ok, count, n)
+        ww = w0 + cols
+        pad = row_ok[:, None] & (ww[None, :] < n) & (ww[None, :] >= count[:, None])
+        tl.store(KvIdx + (gn + ii)[:, None] * n + ww[None, :], tl.zeros([BLOCK_I, BJ], tl.int32), mask=pad)
     out = (gn + ii)[:, None] * HEAD_DIM + dims[None, :]
     if HAS_TAIL:
         live = t_sum > 0.0
