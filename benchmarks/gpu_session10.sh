@@ -11,7 +11,6 @@
 #               .whl/xdist: pip download pytest-xdist execnet; about 4 minutes on the H200 host)
 #   plan_h3     diag/plan_h3_fused.py h3 seed: fused vs torch plan and end to end at H3, the seed in graphs
 #   select_cost diag/select_cost.py: fused-plan launch sweep and e2e GPU timeline at H3
-#   loop_flags  diag/kernel_loop_flags.py: the key loop under tl.range options at H3 (temporary)
 #   seed_eager  diag/seed_eager.py: host cost of eager seed-shape calls (cProfile)
 #   flex        diag/flex_exact_branch.py at H3's size (T=37248, a multiple of 64): FlexAttention with the
 #               plan as block mask against the sdpa backend's gathers, top-k 10 % and 20 %
@@ -46,8 +45,6 @@ for step in "$@"; do
              grep -E "^##|^fused|^kernel|^seed|^H3" "$OUT/plan_h3.txt" | cut -c1-300 ;;
     select_cost) timeout 240 python benchmarks/diag/select_cost.py > "$OUT/select_cost.txt" 2>&1
                  grep -E "^##|plan|failed|start" "$OUT/select_cost.txt" | cut -c1-260 ;;
-    loop_flags) timeout 200 python benchmarks/diag/kernel_loop_flags.py > "$OUT/loop_flags.txt" 2>&1
-                grep -E "^##|ms|failed" "$OUT/loop_flags.txt" | cut -c1-300 ;;
     seed_eager) timeout 90 python benchmarks/diag/seed_eager.py > "$OUT/seed_eager.txt" 2>&1
                 head -60 "$OUT/seed_eager.txt" | cut -c1-160 ;;
     flex) for r in 0.1 0.2; do
@@ -55,6 +52,6 @@ for step in "$@"; do
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 select_cost loop_flags seed_eager flex" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 select_cost seed_eager flex" >&2; exit 2 ;;
   esac
 done

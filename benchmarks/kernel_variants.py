@@ -87,3 +87,10 @@ def run_variant(name: str, problem, plan, config: KernelConfig):
 # instead of two); PV accumulating into the rescaled accumulator made no difference (8.69 against
 # 8.66). That code, the timing script and its interpreter test are in the history: ``fast_loop``
 # at f65d347, ``candidate_loop`` at 0582787, ``kv2_loop`` and the script at d2320f6.
+#
+# The same loop under ``tl.range`` options (results/h200/session13/a036e4b/loop_flags.txt, with
+# benchmarks/diag/kernel_loop_flags.py, removed afterwards; in the history at 2a27781), production
+# 7.97 / 16.54 / 13.32 ms at top-k 10 % / 20 % / tau 1 + tail: ``tl.range`` with 3 stages 7.81 /
+# 16.69 / 13.43 (within run-to-run noise), Triton 3.6's automatic warp specialization on Hopper
+# 7.99 / 16.74 / 13.40 with 4 warps and 13.4-32.6 with 8, unrolling by 2 12.5 / 22.9 / 18.6. None
+# ships; the errors were unchanged (1.66-1.67e-3).

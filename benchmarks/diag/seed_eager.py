@@ -1,6 +1,10 @@
 """Host cost of an eager ``sol_attn`` call at the seed shape (B=2, T=4056, H=16, D=128, bf16,
 triton backend) on a GPU: GPU-event time per call, host time per call (calls issued back to back,
-one sync at the end), and where the host time goes (cProfile of 300 calls). TEMPORARY diagnostic.
+one sync at the end), and where the host time goes (cProfile of 300 calls).
+
+At a036e4b on the H200 (results/h200/session13/a036e4b/seed_eager.txt): 0.65 / 0.61 ms per call at
+top-k 10 % / tau 1 + tail, of which the host issues a call in 0.54 / 0.41 ms; Triton's launcher
+(``JITFunction.run``, argument specialisation) is the largest host item, then ``torch.empty``.
 
     python benchmarks/diag/seed_eager.py
 """

@@ -27,7 +27,7 @@ def build_plan(problem: Problem, topk_method: Optional[str] = None, fused: bool 
     """The routing plan of a ``sol_attn`` call (SPEC.md, "The routing plan").
 
     ``fused=True`` lets a caller whose backend takes a ``kv_indices`` wider than the largest
-    count (padded with 0; the ``triton`` backend) get the plan from three Triton kernels without
+    count (padded with 0; the ``triton`` backend) get the plan from Triton kernels without
     a host synchronisation, where :func:`.fused.fused_plan_usable` allows it (CUDA, no autograd
     graph); everywhere else, and by default, the torch path below builds it.
     """

@@ -119,7 +119,7 @@ def _pow2(x: int) -> int:
 
 
 def fused_plan(problem: Problem) -> Plan:
-    """``problem``'s :class:`Plan` from the three kernels (see the module docstring); the same
+    """``problem``'s :class:`Plan` from the Triton kernels (see the module docstring); the same
     selection, tail and coarse terms as :func:`solattn.routing.build_plan`'s torch path, except
     that ``kv_indices`` is ``n`` wide. No host synchronisation; no autograd graph (callers check
     :func:`fused_plan_usable`)."""
