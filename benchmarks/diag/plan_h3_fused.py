@@ -133,6 +133,20 @@ def sweep():
                         print(f"  {tuning}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
+def host_profile(call, calls=300, top=14) -> str:
+    """cProfile of ``calls`` back-to-back calls (synchronised before and after), ``top`` rows by own time."""
+    pr = cProfile.Profile()
+    torch.cuda.synchronize()
+    pr.enable()
+    for _ in range(calls):
+        call()
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
 def seed_host():
     q, k, v = make_qkv(2, 4056, 16, 128, dtype=torch.bfloat16, device=dev, seed=0)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -145,16 +159,8 @@ def seed_host():
             for _ in range(3):
                 call()
             t = med(call, 200, 10)
-            pr = cProfile.Profile()
-            torch.cuda.synchronize()
-            pr.enable()
-            for _ in range(300):
-                call()
-            pr.disable()
-            torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
-        print(f"\n## seed {label} cuda_graphs e2e {t:.3f} ms ({dense / t:.2f}x dense); host profile of 300 hits:\n{s.getvalue()}", flush=True)
+            prof = host_profile(call)
+        print(f"\n## seed {label} cuda_graphs e2e {t:.3f} ms ({dense / t:.2f}x dense); host profile of 300 hits:\n{prof}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,6 @@ top-k 10 % / tau 1 + tail, of which the host issues a call in 0.54 / 0.41 ms; Tr
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import statistics
 import sys
 import time
@@ -22,8 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import solattn  # noqa: E402
+from plan_h3_fused import host_profile  # noqa: E402
 from solattn.bench.timing import time_calls  # noqa: E402
 from solattn.testing import make_qkv  # noqa: E402
 
@@ -45,13 +44,6 @@ for label, kw in (("top-k 10 %", dict(topk_ratio=0.1)), ("tau 1 + tail", dict(ta
             call()
         host = (time.perf_counter() - t0) / 300 * 1e3
         torch.cuda.synchronize()
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(300):
-            call()
-        pr.disable()
-        torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
-    print(f"\n## seed {label} eager: {gpu:.3f} ms per call (events), host {host:.3f} ms per call issued\n{s.getvalue()}",
+        prof = host_profile(call, top=22)
+    print(f"\n## seed {label} eager: {gpu:.3f} ms per call (events), host {host:.3f} ms per call issued\n{prof}",
           flush=True)
