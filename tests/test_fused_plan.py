@@ -1,4 +1,4 @@
-"""The fused routing plan (four Triton kernels, run here by Triton's CPU interpreter) against
+"""The fused routing plan (Triton kernels, run here by Triton's CPU interpreter) against
 the torch plan, its oracle.
 
 Inputs are solattn.testing.make_qkv (well separated blocks), whose routing scores sit far from
@@ -131,6 +131,22 @@ def test_topk_threshold_with_partial_ties(ratio, tail):
     kk = solattn.routing.select.topk_count(ratio, n)
     assert min(counts) >= kk and max(c for c, x in zip(counts, a) if x != 0) > kk + 1, \
         "some row keeps more than k + forced blocks: a tie at its threshold"
+
+
+@pytest.mark.parametrize("scores_here", [True, False])
+@pytest.mark.parametrize("tail", [True, False])
+def test_topk_scores_from_either_kernel(scores_here, tail):
+    # top-k scores come from scores_kernel (split-TF32 GPUs) or from the select kernel itself
+    # (IEEE products, the interpreter's default): both must select exactly like the torch plan
+    q, k, v = make_qkv(2, 700, 2, 32, dtype=torch.float32, seed=11)
+    problem = validate(q, k, v, topk_ratio=0.3, tail=tail, sink_blocks=(0, 1))
+    assert_selection_clear(problem, margin=1e-4)
+    want = build_plan(problem)
+    got = fused._fused_plan(problem, {"scores_here": scores_here})
+    assert torch.equal(got.kv_num_blocks, want.kv_num_blocks)
+    assert torch.equal(got.dense_mask(), want.dense_mask())
+    if tail:
+        torch.testing.assert_close(got.tail_value, want.tail_value, rtol=2e-5, atol=2e-5)
 
 
 def test_sol_attn_triton_uses_fused_plan_and_matches_torch_plan(monkeypatch):

@@ -133,7 +133,8 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
     ``means_warps``, ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
     bisection tile), ``select_warps``, ``select_stages``, ``scores_tile``, ``scores_warps``,
-    ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), and
+    ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), ``scores_here``
+    (top-k: the select kernel computes the scores instead of the scores kernel), and
     ``select_kernel`` with its extra ``select_constexprs`` (a diagnostic variant of the select
     kernel taking its arguments)."""
     tuning = tuning or {}
@@ -195,9 +196,13 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     # at H3 on an H200 (0.53 + 0.13 ms against 0.67 ms; results/h200/session13/d3f0c89), and skips
     # the scratch. 64 x 64 tiles in 4 warps: 0.13 ms, against 0.34 ms with 32 x 32 tiles, 0.22 ms
     # with 8 warps, and 0.21-0.25 ms with key tiles looped over in one program (045cf55).
+    # With IEEE products (FMA, no tensor cores: ROCm, or DOT_PRECISION = "ieee") that GEMM took
+    # 5.3 ms at H3 against 2.3-2.5 ms for the whole select kernel computing the scores itself in
+    # 32-row tiles, so there the select kernel still writes its own scores (SCORES_HERE).
     read_scores = sel == 1 or bool(tuning.get("read_scores", False))
+    scores_here = sel == 1 and bool(tuning.get("scores_here", ieee))
     scratch = torch.empty(G, n, n, dtype=f32, device=dev) if read_scores else m
-    if read_scores:
+    if read_scores and not scores_here:
         bm = tuning.get("scores_tile", 64)
         compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // bm), G)](
             qm, km, m, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, DOT=precision,
@@ -211,7 +216,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
-        DOT=precision, READ_SCORES=read_scores, **tuning.get("select_constexprs", {}),
+        DOT=precision, READ_SCORES=read_scores, SCORES_HERE=scores_here, **tuning.get("select_constexprs", {}),
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
 

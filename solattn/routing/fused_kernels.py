@@ -76,6 +76,15 @@ def centroid_kernel(Km, Mout, Var, n,
 
 
 @gpu_jit
+def centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM: tl.constexpr, DOT: tl.constexpr):
+    """``c q . (km_j - m)`` of query-block means ``q`` against key blocks ``jj`` (0 where not ``ok``)."""
+    dims = tl.arange(0, HEAD_DIM)
+    kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+    kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
+    return tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
+
+
+@gpu_jit
 def scores_kernel(Qm, Km, Mean, Scores, n, c,
                   HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
     """Routing scores ``c qm_i . (km_j - m)`` of one (BM query blocks, BN key blocks) tile of one
@@ -90,9 +99,7 @@ def scores_kernel(Qm, Km, Mean, Scores, n, c,
     q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=(ii < n)[:, None], other=0.0)
     m = tl.load(Mean + g * HEAD_DIM + dims)
     ok = jj < n
-    kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-    kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
-    r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
+    r = centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM, DOT)
     tl.store(Scores + (gn + ii)[:, None] * n + jj[None, :], r, mask=(ii < n)[:, None] & ok[None, :])
 
 
@@ -119,7 +126,9 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
                   NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                   DOT: tl.constexpr,             # tl.dot input_precision of every fp32 product
-                  READ_SCORES: tl.constexpr):    # tau / forced modes: scores read from Scratch too
+                  READ_SCORES: tl.constexpr,     # tau / forced modes: scores read from Scratch too
+                  SCORES_HERE: tl.constexpr):    # top-k: this kernel writes the scores into Scratch
+                                                 # (IEEE products), not scores_kernel
     g = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_I
     ii = i0 + tl.arange(0, BLOCK_I)
@@ -133,7 +142,15 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
         var = tl.load(Var + g * HEAD_DIM + dims)
         thr = tau * tl.sqrt(cc * tl.sum(q * q * var[None, :], 1) + 1e-6)
     if SEL == 1:
-        # the kk-th largest score per row (bisection over keys); scores_kernel wrote the scratch
+        if SCORES_HERE:
+            # this tile's rows of scores into the scratch (scores_kernel's work, in chunks of BJ)
+            for j0 in range(0, n, BJ):
+                jj = j0 + cols
+                ok = jj < n
+                r = centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM, DOT)
+                tl.store(Scratch + (gn + ii)[:, None] * n + jj[None, :], r, mask=row_ok[:, None] & ok[None, :])
+            tl.debug_barrier()
+        # the kk-th largest score per row (bisection over keys) from the scratch
         allc = tl.arange(0, NP)
         cand_ok = (allc < n) & ((allc < s0) | (allc >= s1))
         for r0 in range(0, BLOCK_I, RB):
@@ -186,9 +203,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             if READ_SCORES:
                 r = tl.load(Scratch + (gn + ii)[:, None] * n + jj[None, :], mask=both, other=0.0)
             else:
-                kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-                kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
-                r = tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
+                r = centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM, DOT)
             if SEL == 0:
                 sel = r > thr[:, None]
             else:
