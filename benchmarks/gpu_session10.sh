@@ -42,7 +42,7 @@ for step in "$@"; do
                > "$OUT/gpu_tests.log" 2>&1
              tail -4 "$OUT/gpu_tests.log" ;;
     plan_h3) timeout 200 python benchmarks/diag/plan_h3_fused.py h3 seed > "$OUT/plan_h3.txt" 2>&1
-             grep -E "^##|^fused|^kernel|^seed|^H3" "$OUT/plan_h3.txt" | cut -c1-300 ;;
+             grep -E "^##|^fused|^kernel|^dense|^seed|^H3" "$OUT/plan_h3.txt" | cut -c1-420 ;;
     select_cost) timeout 240 python benchmarks/diag/select_cost.py > "$OUT/select_cost.txt" 2>&1
                  grep -E "^##|plan|failed|start" "$OUT/select_cost.txt" | cut -c1-260 ;;
     seed_eager) timeout 90 python benchmarks/diag/seed_eager.py > "$OUT/seed_eager.txt" 2>&1

@@ -6,7 +6,8 @@ plan's time per ``tl.dot`` precision and its per-kernel GPU times, whether the f
 equals the torch plan's (rows whose block sets differ; 0 expected on these well separated
 inputs), the tail terms' difference, and end-to-end ``sol_attn`` (triton backend) with the torch
 plan forced (``fused_plan_usable`` patched to False) and with the fused plan, next to dense
-SDPA and the kernel alone (``h3``); the seed shape in ``cuda_graphs()`` with the host profile of
+SDPA and the kernel alone (``h3``; timed in rounds that run each once, in rotated order, with the
+median and range of the per-round speed-up of the fused-plan call); the seed shape in ``cuda_graphs()`` with the host profile of
 a graph hit (``seed``); the fused plan's launch parameters at both shapes (``sweep``).
 
     python benchmarks/diag/plan_h3_fused.py [h3] [seed] [sweep]      # default: h3 seed
@@ -58,6 +59,25 @@ def kernel_table(fn):
     return ", ".join(f"{name} {t / 1e3:.3f} ms x{c}" for t, name, c in sorted(rows, reverse=True)[:6])
 
 
+def paired_rounds(fns, rounds=20, warm=2):
+    """name -> list of ms: each round times every function once, in an order rotated each round,
+    so slow drifts of the machine reach every contender alike (ratios are taken per round)."""
+    names = list(fns)
+    for name in names:
+        time_calls(fns[name], dev, 0, warm)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name] += time_calls(fns[name], dev, 1)
+    return times
+
+
+def ratio_summary(num, den):
+    """median and range of the per-round ratios num / den, e.g. '4.02x (3.97-4.06)'."""
+    ratios = sorted(a / b for a, b in zip(num, den))
+    return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def differing_rows(a, b):
     return int((a.dense_mask() != b.dense_mask()).any(-1).sum())
 
@@ -90,21 +110,27 @@ def h3():
                     print(f"fused plan [{prec}]: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             fused.DOT_PRECISION = None
             ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw)
-            t_kernel = med(lambda: tb.launch(problem, ref_plan))
 
             def call():
                 return solattn.sol_attn(q, k, v, backend="triton", **kw)
-            e_fused, t_e2e_fused = rel_l2(call().float(), ref), med(call)
-            usable = fused.fused_plan_usable
-            fused.fused_plan_usable = lambda problem: False
-            try:
-                e_torch, t_e2e_torch = rel_l2(call().float(), ref), med(call)
-            finally:
-                fused.fused_plan_usable = usable
+
+            def call_torch_plan():
+                usable = fused.fused_plan_usable
+                fused.fused_plan_usable = lambda problem: False
+                try:
+                    return call()
+                finally:
+                    fused.fused_plan_usable = usable
+            e_fused, e_torch = rel_l2(call().float(), ref), rel_l2(call_torch_plan().float(), ref)
             del ref
-        print(f"kernel alone {t_kernel:.2f} ms ({dense / t_kernel:.2f}x dense); e2e torch plan {t_e2e_torch:.2f} ms "
-              f"({dense / t_e2e_torch:.2f}x, err {e_torch:.2e}); e2e fused plan {t_e2e_fused:.2f} ms "
-              f"({dense / t_e2e_fused:.2f}x, err {e_fused:.2e})", flush=True)
+            t = paired_rounds({"dense": lambda: F.scaled_dot_product_attention(qt, kt, vt),
+                               "kernel": lambda: tb.launch(problem, ref_plan),
+                               "fused": call, "torch": call_torch_plan})
+        t_dense, t_kernel, t_e2e_fused, t_e2e_torch = (statistics.median(t[x]) for x in ("dense", "kernel", "fused", "torch"))
+        print(f"dense {t_dense:.2f} ms; kernel alone {t_kernel:.2f} ms ({t_dense / t_kernel:.2f}x dense); e2e torch plan "
+              f"{t_e2e_torch:.2f} ms ({t_dense / t_e2e_torch:.2f}x, err {e_torch:.2e}); e2e fused plan {t_e2e_fused:.2f} ms "
+              f"({t_dense / t_e2e_fused:.2f}x, err {e_fused:.2e}); per-round ratio e2e fused: "
+              f"{ratio_summary(t['dense'], t['fused'])} over {len(t['dense'])} rounds", flush=True)
 
 
 SWEEP = ({}, dict(select_warps=4), dict(select_warps=2), dict(select_warps=1),
@@ -150,17 +176,20 @@ def host_profile(call, calls=300, top=14) -> str:
 def seed_host():
     q, k, v = make_qkv(2, 4056, 16, 128, dtype=torch.bfloat16, device=dev, seed=0)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    dense = med(lambda: F.scaled_dot_product_attention(qt, kt, vt), 200, 10)
-    print(f"seed dense SDPA {dense:.3f} ms")
+    def dense_fn():
+        return F.scaled_dot_product_attention(qt, kt, vt)
+    print(f"seed dense SDPA {med(dense_fn, 200, 10):.3f} ms")
     for label, kw in (MODES[0], MODES[2]):
         def call():
             return solattn.sol_attn(q, k, v, backend="triton", **kw)
         with torch.no_grad(), solattn.cuda_graphs():
             for _ in range(3):
                 call()
-            t = med(call, 200, 10)
+            t = paired_rounds({"dense": dense_fn, "graphs": call}, rounds=200, warm=10)
             prof = host_profile(call)
-        print(f"\n## seed {label} cuda_graphs e2e {t:.3f} ms ({dense / t:.2f}x dense); host profile of 300 hits:\n{prof}", flush=True)
+        print(f"\n## seed {label} cuda_graphs e2e {statistics.median(t['graphs']):.3f} ms against dense "
+              f"{statistics.median(t['dense']):.3f} ms, per-round ratio {ratio_summary(t['dense'], t['graphs'])}; "
+              f"host profile of 300 hits:\n{prof}", flush=True)
 
 
 if __name__ == "__main__":
