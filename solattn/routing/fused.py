@@ -52,7 +52,7 @@ _SELECT_TILE_ELEMS = 8192
 #: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums). None: "tf32x3" (three
 #: TF32 tensor-core passes with the operands split in high and low parts, about fp32 accuracy) on
 #: NVIDIA GPUs with TF32 (compute capability 8.0 and up), else "ieee" (fp32 FMA, exact products). On an
-#: H200 at H3 the fused plan took 0.85 ms with tf32x3 and 2.8-3.2 ms with IEEE products, and both
+#: H200 at H3 the fused plan took 0.85 ms with tf32x3 and 2.7-3.1 ms with IEEE products, and both
 #: selections matched the torch plan's (0-3 and 0-1 rows of 32648 differ; plain "tf32": 561).
 DOT_PRECISION = None
 
