@@ -23,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import solattn  # noqa: E402
 from plan_h3_fused import differing_rows, kernel_table  # noqa: E402
+from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.bench.timing import time_calls  # noqa: E402
 from solattn.routing import build_plan, fused  # noqa: E402
-from solattn.testing import make_qkv  # noqa: E402
+from solattn.testing import make_qkv, rel_l2  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
 dev = torch.device("cuda")
@@ -37,7 +38,8 @@ MODES = (("top-k 10 %", dict(topk_ratio=0.1, tail=False)), ("top-k 20 %", dict(t
 #: three probes per bisection pass (+0.13 ms), key tiles looped in one scores program (+0.08-0.11 ms)
 #: and selecting a bisection tile's whole rows at once (+0.13 ms) lost and were removed.
 TOPK = ["", "rb=4", "rb=16", "select_warps=8", "block_i=32", "scores_tile=32", "scores_warps=8"]
-TAU = ["", "read_scores=1"]
+TAU = ["", "read_scores=1", "pool_dot=tf32"]     # the tail's p @ vm in plain TF32: about half the
+                                                  # select kernel's 0.67 ms is the tail
 
 
 def med(fn, n=20, warm=3):
@@ -49,14 +51,21 @@ def sweep(q, k, v):
         problem = validate(q, k, v, **kw)
         with torch.no_grad():
             want = build_plan(problem)
+            # with a tail: the output's error against the definition (fp32 sdpa) with each plan
+            ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw) if problem.tail else None
             print(f"\n## {label}", flush=True)
             for case in (TOPK if "topk_ratio" in kw else TAU):
-                tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in case.split()}
+                tuning = {key: int(val) if val.isdigit() else val for key, val in (kv.split("=") for kv in case.split())}
                 try:
-                    same = differing_rows(fused._fused_plan(problem, tuning), want)
+                    got = fused._fused_plan(problem, tuning)
+                    same = differing_rows(got, want)
+                    err = ""
+                    if ref is not None:
+                        err = (f", tail_value rel {rel_l2(got.tail_value, want.tail_value):.1e}, output error "
+                               f"{rel_l2(tb.launch(problem, got).float(), ref):.3e}")
                     t = med(lambda: fused._fused_plan(problem, tuning))
                     kt = kernel_table(lambda: fused._fused_plan(problem, tuning))
-                    print(f"  {case or 'default':32s} plan {t:.3f} ms, rows differing {same}; {kt}", flush=True)
+                    print(f"  {case or 'default':32s} plan {t:.3f} ms, rows differing {same}{err}; {kt}", flush=True)
                 except Exception as exc:  # noqa: BLE001 - report and go on
                     print(f"  {case or 'default':32s} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 

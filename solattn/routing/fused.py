@@ -134,7 +134,8 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     ``means_warps``, ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
     bisection tile), ``select_warps``, ``select_stages``, ``scores_tile``, ``scores_warps``,
     ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), ``scores_here``
-    (top-k: the select kernel computes the scores instead of the scores kernel), and
+    (top-k: the select kernel computes the scores instead of the scores kernel), ``pool_dot``
+    (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32"), and
     ``select_kernel`` with its extra ``select_constexprs`` (a diagnostic variant of the select
     kernel taking its arguments)."""
     tuning = tuning or {}
@@ -216,7 +217,8 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
-        DOT=precision, READ_SCORES=read_scores, SCORES_HERE=scores_here, **tuning.get("select_constexprs", {}),
+        DOT=precision, READ_SCORES=read_scores, SCORES_HERE=scores_here,
+        POOL_DOT=tuning.get("pool_dot", precision), **tuning.get("select_constexprs", {}),
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
 

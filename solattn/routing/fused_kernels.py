@@ -127,8 +127,10 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                   DOT: tl.constexpr,             # tl.dot input_precision of every fp32 product
                   READ_SCORES: tl.constexpr,     # tau / forced modes: scores read from Scratch too
-                  SCORES_HERE: tl.constexpr):    # top-k: this kernel writes the scores into Scratch
+                  SCORES_HERE: tl.constexpr,     # top-k: this kernel writes the scores into Scratch
                                                  # (IEEE products), not scores_kernel
+                  POOL_DOT: tl.constexpr):       # precision of the tail and coarse p @ vm products
+                                                 # (DOT unless a benchmark asks otherwise)
     g = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_I
     ii = i0 + tl.arange(0, BLOCK_I)
@@ -228,7 +230,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             alpha = tl.math.exp2(t_max - ref)
             p = tl.math.exp2(z - ref[:, None])
             t_sum = t_sum * alpha + tl.sum(p, 1)
-            t_acc = t_acc * alpha[:, None] + tl.dot(p, vm, input_precision=DOT)
+            t_acc = t_acc * alpha[:, None] + tl.dot(p, vm, input_precision=POOL_DOT)
             t_max = new
         if HAS_COARSE:
             # softmax over every block; centred scores differ from scale qm.km by a per-row constant
@@ -237,7 +239,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             alpha = tl.math.exp2(c_max - new)
             p = tl.math.exp2(z - new[:, None])
             c_sum = c_sum * alpha + tl.sum(p, 1)
-            c_acc = c_acc * alpha[:, None] + tl.dot(p, vm, input_precision=DOT)
+            c_acc = c_acc * alpha[:, None] + tl.dot(p, vm, input_precision=POOL_DOT)
             c_max = new
     tl.store(KvNum + gn + ii, count, mask=row_ok)
     tl.store(Touch + gn + ii, touches.to(tl.int8), mask=row_ok)
