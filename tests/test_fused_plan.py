@@ -31,13 +31,14 @@ def _interpret(monkeypatch):
 
 
 
-def _compare(problem, clear=True):
-    """Fused plan == torch plan: identical selection, pooled terms within fp32 rounding."""
+def _compare(problem, clear=True, tuning=None):
+    """Fused plan == torch plan: identical selection, pooled terms within fp32 rounding.
+    ``tuning``: launch settings of ``fused._fused_plan`` (default: the shipped ones)."""
     if clear:
         assert_selection_clear(problem, margin=1e-4)
     assert fused.fused_plan_usable(problem)
     want = build_plan(problem)
-    got = fused.fused_plan(problem)
+    got = fused.fused_plan(problem) if tuning is None else fused._fused_plan(problem, tuning)
     B, H, n = problem.B, problem.H, problem.n
     assert got.kv_indices.shape == (B, H, n, n) and got.kv_indices.dtype == torch.int32
     assert torch.equal(got.kv_num_blocks, want.kv_num_blocks)
@@ -139,14 +140,7 @@ def test_topk_scores_from_either_kernel(scores_here, tail):
     # top-k scores come from scores_kernel (split-TF32 GPUs) or from the select kernel itself
     # (IEEE products, the interpreter's default): both must select exactly like the torch plan
     q, k, v = make_qkv(2, 700, 2, 32, dtype=torch.float32, seed=11)
-    problem = validate(q, k, v, topk_ratio=0.3, tail=tail, sink_blocks=(0, 1))
-    assert_selection_clear(problem, margin=1e-4)
-    want = build_plan(problem)
-    got = fused._fused_plan(problem, {"scores_here": scores_here})
-    assert torch.equal(got.kv_num_blocks, want.kv_num_blocks)
-    assert torch.equal(got.dense_mask(), want.dense_mask())
-    if tail:
-        torch.testing.assert_close(got.tail_value, want.tail_value, rtol=2e-5, atol=2e-5)
+    _compare(validate(q, k, v, topk_ratio=0.3, tail=tail, sink_blocks=(0, 1)), tuning={"scores_here": scores_here})
 
 
 def test_sol_attn_triton_uses_fused_plan_and_matches_torch_plan(monkeypatch):

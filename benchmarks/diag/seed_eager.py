@@ -3,7 +3,8 @@ triton backend) on a GPU: GPU-event time per call, host time per call (calls iss
 one sync at the end), and where the host time goes (cProfile of 300 calls).
 
 At a036e4b on the H200 (results/h200/session13/a036e4b/seed_eager.txt): 0.65 / 0.61 ms per call at
-top-k 10 % / tau 1 + tail, of which the host issues a call in 0.54 / 0.41 ms; Triton's launcher
+top-k 10 % (that run with the tail on, ``validate``'s default; the script now takes
+``plan_h3_fused.MODES``, top-k without it) / tau 1 + tail, of which the host issues a call in 0.54 / 0.41 ms; Triton's launcher
 (``JITFunction.run``, argument specialisation) is the largest host item, then ``torch.empty``.
 
     python benchmarks/diag/seed_eager.py
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import solattn  # noqa: E402
-from plan_h3_fused import host_profile  # noqa: E402
+from plan_h3_fused import MODES, host_profile  # noqa: E402
 from solattn.bench.timing import time_calls  # noqa: E402
 from solattn.testing import make_qkv  # noqa: E402
 
@@ -31,7 +32,7 @@ q, k, v = make_qkv(2, 4056, 16, 128, dtype=torch.bfloat16, device=dev, seed=0)
 print(torch.__version__, torch.cuda.get_device_name())
 import triton  # noqa: E402
 print("triton", triton.__version__)
-for label, kw in (("top-k 10 %", dict(topk_ratio=0.1)), ("tau 1 + tail", dict(tau=1.0, tail=True))):
+for label, kw in (MODES[0], MODES[2]):
     def call():
         return solattn.sol_attn(q, k, v, backend="triton", **kw)
     with torch.no_grad():

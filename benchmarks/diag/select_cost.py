@@ -12,7 +12,6 @@ scores pass 0.43 ms, bisection 0.29 ms, scatter 0.09 ms of a 1.55 ms plan at top
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,16 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import solattn  # noqa: E402
-from plan_h3_fused import differing_rows, kernel_table  # noqa: E402
+from plan_h3_fused import MODES, differing_rows, kernel_table, med  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
-from solattn.bench.timing import time_calls  # noqa: E402
 from solattn.routing import build_plan, fused  # noqa: E402
 from solattn.testing import make_qkv, rel_l2  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
 dev = torch.device("cuda")
-MODES = (("top-k 10 %", dict(topk_ratio=0.1, tail=False)), ("top-k 20 %", dict(topk_ratio=0.2, tail=False)),
-         ("tau 1 + tail", dict(tau=1.0, tail=True)))
 #: launch settings (``fused._fused_plan`` tuning keys, "key=value ..."). Sweeps at 2c916fc, 045cf55
 #: and d3f0c89 (results/h200/session13/; the first two ran their top-k rows with the tail, validate's
 #: default) kept 64 x 64 score tiles in 4 warps and the select kernel's 16 rows, 4 warps, bj 32, rb 8;
@@ -40,10 +36,6 @@ MODES = (("top-k 10 %", dict(topk_ratio=0.1, tail=False)), ("top-k 20 %", dict(t
 TOPK = ["", "rb=4", "rb=16", "select_warps=8", "block_i=32", "scores_tile=32", "scores_warps=8"]
 TAU = ["", "read_scores=1", "pool_dot=tf32"]     # the tail's p @ vm in plain TF32: about half the
                                                   # select kernel's 0.67 ms is the tail
-
-
-def med(fn, n=20, warm=3):
-    return statistics.median(time_calls(fn, dev, n, warm))
 
 
 def sweep(q, k, v):

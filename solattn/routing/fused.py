@@ -2,8 +2,8 @@
 
 The torch plan (:func:`.plan.assemble_plan`) is a few dozen small operations plus one host
 synchronisation (the width of ``kv_indices``); on a GPU at small T it is launch-bound and
-costs more than the attention kernel. Here the same plan takes four launches (three in tau mode)
-and no sync:
+costs more than the attention kernel. Here the same plan takes four launches (three in tau mode
+and with IEEE products) and no sync:
 
 1. :func:`.fused_kernels.means_kernel`, one program per (block, batch * head): fp32 means of q, k, v over
    the live rows of the block, and the live lengths ``L_j``.
