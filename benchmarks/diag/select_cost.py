@@ -33,8 +33,8 @@ dev = torch.device("cuda")
 #: default) kept 64 x 64 score tiles in 4 warps and the select kernel's 16 rows, 4 warps, bj 32, rb 8;
 #: three probes per bisection pass (+0.13 ms), key tiles looped in one scores program (+0.08-0.11 ms)
 #: and selecting a bisection tile's whole rows at once (+0.13 ms) lost and were removed.
-TOPK = ["", "rb=4", "rb=16", "select_warps=8", "block_i=32", "scores_tile=32", "scores_warps=8"]
-TAU = ["", "read_scores=1", "pool_dot=tf32"]     # the tail's p @ vm in plain TF32: about half the
+TOPK = ["", "centroid_bd=128", "rb=4", "rb=16", "select_warps=8", "block_i=32", "scores_tile=32", "scores_warps=8"]
+TAU = ["", "centroid_bd=128", "read_scores=1", "pool_dot=tf32"]     # the tail's p @ vm in plain TF32: about half the
                                                   # select kernel's 0.67 ms is the tail
 
 

@@ -149,7 +149,7 @@ class FusedPlanLaunch:
     ``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
     ``means_warps``, ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
     bisection tile), ``select_warps``, ``select_stages``, ``scores_tile``, ``scores_warps``,
-    ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), ``scores_here``
+    ``centroid_bd`` (head dims per centroid program), ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), ``scores_here``
     (top-k: the select kernel computes the scores instead of the scores kernel), ``pool_dot``
     (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32"), and
     ``select_kernel`` with its extra ``select_constexprs`` (a diagnostic variant of the select
@@ -232,9 +232,10 @@ class FusedPlanLaunch:
             *q.stride(), *k.stride(), *v.stride(), T, H, n, g0,
             HAS_BLOCK_LEN=has_len, NEED_V=self.need_v, HEAD_DIM=D, BLOCK=BLOCK,
             num_warps=tuning.get("means_warps", 2 if D <= 128 else 4))
-        compiled(interpret, fk.centroid_kernel)[(rows,)](
-            self.km, self.m, self.var, n, g0, NEED_VAR=self.tau_mode, HEAD_DIM=D,
-            BJ=max(16, min(64, 8192 // D)), num_warps=4)
+        bd = tuning.get("centroid_bd", min(D, 32))
+        compiled(interpret, fk.centroid_kernel)[(rows, D // bd)](
+            self.km, self.m, self.var, n, g0, NEED_VAR=self.tau_mode, HEAD_DIM=D, BD=bd,
+            BJ=max(16, min(256, _pow2(n), 8192 // bd)), num_warps=4)
         if self.read_scores and not self.scores_here:
             bm = tuning.get("scores_tile", 64)
             compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // bm), rows)](

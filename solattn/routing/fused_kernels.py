@@ -48,12 +48,15 @@ def means_kernel(Q, K, V, BlockLen, Qm, Km, Vm, Lout,
 
 @gpu_jit
 def centroid_kernel(Km, Mout, Var, n, g0,
-                    NEED_VAR: tl.constexpr, HEAD_DIM: tl.constexpr, BJ: tl.constexpr):
+                    NEED_VAR: tl.constexpr, HEAD_DIM: tl.constexpr, BD: tl.constexpr, BJ: tl.constexpr):
+    """The key centroid ``m`` (and, tau mode, the variance of the key means about it) of one batch *
+    head and BD of its dims: programs per row are HEAD_DIM / BD, since each walks all n blocks
+    (a few long programs per row left the GPU idle: 57 us for 14 rows at H3's n on an H200)."""
     g = tl.program_id(0).to(tl.int64) + g0
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.program_id(1) * BD + tl.arange(0, BD)
     cols = tl.arange(0, BJ)
     base = Km + g * n * HEAD_DIM
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([BD], tl.float32)
     for j0 in range(0, n, BJ):
         ok = (j0 + cols) < n
         x = tl.load(base + (j0 + cols)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
@@ -61,7 +64,7 @@ def centroid_kernel(Km, Mout, Var, n, g0,
     m = acc / n
     tl.store(Mout + g * HEAD_DIM + dims, m)
     if NEED_VAR:
-        acc2 = tl.zeros([HEAD_DIM], tl.float32)
+        acc2 = tl.zeros([BD], tl.float32)
         for j0 in range(0, n, BJ):
             ok = (j0 + cols) < n
             x = tl.load(base + (j0 + cols)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)

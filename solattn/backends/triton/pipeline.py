@@ -109,16 +109,15 @@ def pipelined_forward(problem: Problem, groups: int, config=None) -> Tuple[torch
     side = _stream(problem.device, "plan")
     kernel_streams = [main, _stream(problem.device, "kernel")][:max(1, KERNEL_STREAMS)]
     side.wait_stream(main)                   # q, k, v as the caller's stream left them
-    ready = []
-    with torch.cuda.stream(side):
-        for g0, g1 in bounds:
+    for i, (g0, g1) in enumerate(bounds):
+        # launched in this order, a group's kernel is queued while the plan of the next is built
+        # (the host's work for the kernel launch, e.g. its TMA descriptors, overlaps the GPU's)
+        with torch.cuda.stream(side):
             launch.rows(g0, g1)
-            event = torch.cuda.Event()
-            event.record(side)
-            ready.append(event)
-    for i, ((g0, g1), event) in enumerate(zip(bounds, ready)):
+            ready = torch.cuda.Event()
+            ready.record(side)
         stream = kernel_streams[i % len(kernel_streams)]
-        stream.wait_event(event)
+        stream.wait_event(ready)
         with torch.cuda.stream(stream) if stream is not main else contextlib.nullcontext():
             run_kernel(kernel.sol_attn_fwd, problem, plan, cfg, out, rows=(g0, g1), ops=ops)
     # the caller's stream goes on after every launch here (also what keeps the buffers used on the
