@@ -10,8 +10,6 @@
 #   tests_x     the same in 8 processes (pytest-xdist on PYTHONPATH, e.g. unzipped wheels carried in
 #               .whl/xdist: pip download pytest-xdist execnet; about 4 minutes on the H200 host)
 #   plan_h3     diag/plan_h3_fused.py h3 seed: fused vs torch plan and end to end at H3, the seed in graphs
-#   pipeline    diag/plan_h3_fused.py pipeline: H3 end to end with the plan overlapping the kernel in
-#               row groups (pipeline.py), per groups and kernel streams
 #   timeline    diag/select_cost.py timeline: the GPU timeline of one sol_attn call per mode at H3
 #   select_cost diag/select_cost.py: fused-plan launch sweep and e2e GPU timeline at H3
 #   seed_eager  diag/seed_eager.py: host cost of eager seed-shape calls (cProfile)
@@ -46,8 +44,6 @@ for step in "$@"; do
              tail -4 "$OUT/gpu_tests.log" ;;
     plan_h3) timeout 200 python benchmarks/diag/plan_h3_fused.py h3 seed > "$OUT/plan_h3.txt" 2>&1
              grep -E "^##|^fused|^kernel|^dense|^seed|^H3" "$OUT/plan_h3.txt" | cut -c1-420 ;;
-    pipeline) timeout 240 python benchmarks/diag/plan_h3_fused.py pipeline > "$OUT/pipeline.txt" 2>&1
-              grep -E "^##|^pipeline|Error|error" "$OUT/pipeline.txt" | cut -c1-300 ;;
     timeline) timeout 120 python benchmarks/diag/select_cost.py timeline > "$OUT/timeline.txt" 2>&1
               grep -E "^##|start" "$OUT/timeline.txt" | cut -c1-160 ;;
     select_cost) timeout 240 python benchmarks/diag/select_cost.py > "$OUT/select_cost.txt" 2>&1
@@ -59,6 +55,6 @@ for step in "$@"; do
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 pipeline timeline select_cost seed_eager flex" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager flex" >&2; exit 2 ;;
   esac
 done

@@ -36,7 +36,7 @@ def half_loop(
     Q, K, V, Out, Gate,
     KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse, Resid,
     sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd, sgb, sgt, sgh, sgd,
-    s_bias_b, T, H, n_blocks, max_blocks, qk_scale, g0,
+    s_bias_b, T, H, n_blocks, max_blocks, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
@@ -44,7 +44,7 @@ def half_loop(
 ):
     bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
         Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
-        T, H, n_blocks, max_blocks, qk_scale, g0, HEAD_DIM, BLOCK, HAS_TAIL)
+        T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
     if MATH_ONLY:
         # the first listed block, loaded once before the loop
         k, v, tok0, live0, ragged0 = key_block(K, V, idx_row, 0, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,

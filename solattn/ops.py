@@ -54,20 +54,10 @@ def plan_for(chosen, problem: Problem, fused: bool = True):
     return build_plan(problem, fused=fused and getattr(chosen, "fused_plan", False))
 
 
-def forward_planned(chosen, problem: Problem, fused: bool = True) -> Tensor:
-    """``chosen``'s output on ``problem`` from the plan it runs with, built here: on the ``triton``
-    backend a large problem's fused plan overlaps the kernel, one group of heads at a time
-    (:mod:`solattn.backends.triton.pipeline`); elsewhere the plan is built first."""
-    if fused and isinstance(chosen, TritonBackend):
-        out = chosen.pipelined(problem)
-        if out is not None:
-            return out
-    return chosen.forward(problem, plan_for(chosen, problem, fused))
-
-
 def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
     """Dispatch and run a validated problem (no custom op, autograd as the backend allows)."""
-    return forward_planned(dispatch.choose(problem, backend), problem)
+    chosen = dispatch.choose(problem, backend)
+    return chosen.forward(problem, plan_for(chosen, problem))
 
 
 def backward_buffers(q: Tensor, v: Tensor, want: bool, rows: Optional[int] = None) -> Tuple[Tensor, Tensor]:
@@ -268,10 +258,8 @@ def _sol_attn_forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Option
         # A backward rebuilds a plan with tail or coarse terms through the torch path (they carry
         # gradients there); the forward then builds it the same way, so that both passes select
         # the same blocks (the fused plan's products round differently: near-ties can flip).
+        plan = plan_for(chosen, problem, fused=not (want_lse and has_block_terms(problem)))
         lse, resid = backward_buffers(q, v, want_lse)
-        if not want_lse:
-            return forward_planned(chosen, problem), lse, resid, torch.zeros((), dtype=torch.int64)
-        plan = plan_for(chosen, problem, fused=not has_block_terms(problem))
         out, fused = run_for_backward(chosen, problem, plan, lse, resid)
         return out, lse, resid, fused
 

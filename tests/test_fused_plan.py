@@ -197,3 +197,13 @@ def test_dot_precision_follows_the_device(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(fused, "DOT_PRECISION", "ieee")
     assert fused.dot_precision(cuda) == "ieee"
+
+
+@pytest.mark.parametrize("mode", ["topk", "tau"])
+def test_launch_settings_of_large_problems(mode):
+    # at H3 the bisection takes 4 of a program's 16 rows at a time and the centroid 32 of 128 dims
+    # per program; the tiny problems here default to one tile and one program: force the split
+    q, k, v = make_qkv(2, 900, 2, 64, dtype=torch.float32, seed=12)
+    kw = dict(topk_ratio=0.3) if mode == "topk" else dict(tau=0.5)
+    for tuning in ({"rb": 4, "centroid_bd": 16}, {"rb": 1, "centroid_bd": 64}):
+        _compare(validate(q, k, v, tail=True, sink_blocks=(0, 1), **kw), tuning=tuning)

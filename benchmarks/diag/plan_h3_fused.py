@@ -10,10 +10,7 @@ SDPA and the kernel alone (``h3``; timed in rounds that run each once, in rotate
 median and range of the per-round speed-up of the fused-plan call); the seed shape in ``cuda_graphs()`` with the host profile of
 a graph hit (``seed``); the fused plan's launch parameters at both shapes (``sweep``).
 
-    python benchmarks/diag/plan_h3_fused.py [h3] [seed] [sweep] [pipeline]      # default: h3 seed
-
-``pipeline``: the whole call at H3 with the plan overlapping the kernel in row groups
-(``solattn/backends/triton/pipeline.py``), per number of groups and kernel streams.
+    python benchmarks/diag/plan_h3_fused.py [h3] [seed] [sweep]      # default: h3 seed
 """
 
 from __future__ import annotations
@@ -162,44 +159,6 @@ def sweep():
                         print(f"  {tuning}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
-#: (row groups, kernel streams) of the pipeline sweep; (1, 1) is the call without the pipeline
-PIPELINE = ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (7, 2), (8, 2), (14, 2))
-
-
-def pipeline_sweep():
-    """``sol_attn`` at H3 with the fused plan overlapping the kernel in row groups (pipeline.py):
-    per (groups, kernel streams), the median ms and the per-round speed-up over dense SDPA, every
-    output checked equal to the unpipelined call's and its error to the fp32 definition printed."""
-    from solattn.backends.triton import pipeline
-    q, k, v = make_qkv(1, 37296, 56, 128, dtype=torch.bfloat16, device=dev, seed=0)
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    for label, kw in MODES:
-        problem = validate(q, k, v, **kw)
-        with torch.no_grad():
-            plan = build_plan(problem, fused=True)
-            ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw)
-            fns = {"dense": lambda: F.scaled_dot_product_attention(qt, kt, vt),
-                   "kernel": lambda: tb.launch(problem, plan)}
-            base, notes = None, {}
-            for groups, streams in PIPELINE:
-                def call(groups=groups, streams=streams):
-                    pipeline.GROUPS, pipeline.KERNEL_STREAMS = groups, streams
-                    return solattn.sol_attn(q, k, v, backend="triton", **kw)
-                out = call()
-                base = out if base is None else base
-                notes[f"g{groups} s{streams}"] = (f"err {rel_l2(out.float(), ref):.2e}, "
-                                                  f"{'equal to' if torch.equal(out, base) else 'DIFFERS FROM'} unpipelined")
-                fns[f"g{groups} s{streams}"] = call
-            del ref, out, base
-            t = paired_rounds(fns, rounds=15)
-        print(f"\n## pipeline H3 {label}: dense {statistics.median(t['dense']):.2f} ms, kernel alone "
-              f"{statistics.median(t['kernel']):.2f} ms ({ratio_summary(t['dense'], t['kernel'])})", flush=True)
-        for name, note in notes.items():
-            print(f"pipeline {name}: {statistics.median(t[name]):.2f} ms, per-round ratio to dense "
-                  f"{ratio_summary(t['dense'], t[name])}; {note}", flush=True)
-    pipeline.GROUPS, pipeline.KERNEL_STREAMS = None, 2
-
-
 def host_profile(call, calls=300, top=14) -> str:
     """cProfile of ``calls`` back-to-back calls (synchronised before and after), ``top`` rows by own time."""
     pr = cProfile.Profile()
@@ -236,8 +195,6 @@ def seed_host():
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), open("COMMIT").read().strip() if Path("COMMIT").exists() else "")
     what = sys.argv[1:] or ["h3", "seed"]
-    if "pipeline" in what:
-        pipeline_sweep()
     if "sweep" in what:
         sweep()
     if "seed" in what:

@@ -46,8 +46,10 @@ from ..validation import BLOCK, Problem
 from .plan import Plan
 from .select import topk_count
 
-#: rows of the (rows, n) score tile the top-k bisection keeps in registers at a time, times n
-_SELECT_TILE_ELEMS = 8192
+#: rows of the (rows, n) score tile the top-k bisection keeps in registers at a time, times n:
+#: 4 rows of H3's 1024-wide (padded) rows took 0.295 ms in the select kernel on an H200 against
+#: 0.324 ms with 8 and 0.42 ms with 16 (two runs, results/h200/session14/select_cost*.txt)
+_SELECT_TILE_ELEMS = 4096
 
 #: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums). None: "tf32x3" (three
 #: TF32 tensor-core passes with the operands split in high and low parts, about fp32 accuracy) on
@@ -69,9 +71,9 @@ def dot_precision(device: torch.device) -> str:
 
 #: largest n (key blocks) the fused plan takes (T = 524288 tokens); beyond it the torch plan
 #: chunks the work. The select kernel's bisection holds whole rows of n scores (padded to a power
-#: of two) in tiles of ``_SELECT_TILE_ELEMS``: up to 8192 blocks a tile is that size whatever n
-#: (fewer rows of wider scores), beyond it a single row would be wider. Run on an H200 up to
-#: n = 583 (H3, 1024-wide rows).
+#: of two) in tiles of ``_SELECT_TILE_ELEMS`` (fewer rows of wider scores as n grows); from 4096
+#: blocks a tile is one row, up to 8192 wide here, as wide as a tile had been before the rows were
+#: cut to 4 at H3 (8192 elements). Run on an H200 up to n = 583 (H3, 1024-wide rows).
 MAX_FUSED_BLOCKS = 8192
 
 
@@ -130,141 +132,103 @@ def fused_plan(problem: Problem) -> Plan:
 
 
 def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
-    """``tuning`` (benchmarks only): see :class:`FusedPlanLaunch`."""
-    launch = FusedPlanLaunch(problem, tuning)
-    launch.rows(0, problem.B * problem.H)
-    return launch.plan
-
-
-class FusedPlanLaunch:
-    """The fused plan of one problem, launched for groups of batch * head rows at a time.
-
-    The constructor allocates the plan's tensors (nothing is launched); :meth:`rows` launches the
-    four kernels for rows ``g0 <= b * H + h < g1`` on the current stream; :attr:`plan` is the
-    :class:`Plan` they fill. Rows are independent except for the live block lengths, which the
-    launch of the group holding row 0 writes: launch that group first (on the same stream, or
-    one ordered before the others). :func:`fused_plan` launches all rows at once; the ``triton``
-    backend's pipeline (``solattn/backends/triton/pipeline.py``) group by group on a side stream.
-
-    ``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
-    ``means_warps``, ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
+    """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
+    ``means_warps``, ``centroid_bd`` (head dims per centroid program), ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
     bisection tile), ``select_warps``, ``select_stages``, ``scores_tile``, ``scores_warps``,
-    ``centroid_bd`` (head dims per centroid program), ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), ``scores_here``
+    ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), ``scores_here``
     (top-k: the select kernel computes the scores instead of the scores kernel), ``pool_dot``
     (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32"), and
     ``select_kernel`` with its extra ``select_constexprs`` (a diagnostic variant of the select
     kernel taking its arguments)."""
+    tuning = tuning or {}
+    from ..backends.triton.kernel import compiled  # imports Triton
+    from . import fused_kernels as fk
 
-    def __init__(self, problem: Problem, tuning: Optional[dict] = None):
-        self.problem, self.tuning = problem, tuning or {}
-        tuning = self.tuning
-        q, k, v = problem.q, problem.k, problem.v
-        B, H, D, n = problem.B, problem.H, problem.D, problem.n
-        G, dev, f32, i32 = B * H, q.device, torch.float32, torch.int32
-        self.interpret = _interpreting() or dev.type == "cpu"
-        if self.interpret and q.dtype == torch.bfloat16:
-            # the interpreter keeps bf16 as raw bit patterns; exact fp32 copies give the same sums
-            q, k, v = (t.to(f32) for t in (q, k, v))
-        self.q, self.k, self.v = q, k, v
+    q, k, v = problem.q, problem.k, problem.v
+    B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
+    G, dev, f32, i32 = B * H, q.device, torch.float32, torch.int32
+    interpret = _interpreting() or dev.type == "cpu"
+    if interpret and q.dtype == torch.bfloat16:
+        # the interpreter keeps bf16 as raw bit patterns; exact fp32 copies give the same sums
+        q, k, v = (t.to(f32) for t in (q, k, v))
 
-        self.tail, self.coarse = problem.tail, problem.coarse_gate is not None
-        self.need_v = self.tail or self.coarse
-        means = torch.empty(3 if self.need_v else 2, G, n, D, dtype=f32, device=dev)
-        self.qm, self.km = means[0], means[1]
-        self.vm = means[2] if self.need_v else self.km   # not read without the tail and coarse terms
-        self.L = torch.empty(n, dtype=i32, device=dev)
+    tail, coarse = problem.tail, problem.coarse_gate is not None
+    need_v = tail or coarse
+    means = torch.empty(3 if need_v else 2, G, n, D, dtype=f32, device=dev)
+    qm, km = means[0], means[1]
+    vm = means[2] if need_v else km   # not read without the tail and coarse terms
+    L = torch.empty(n, dtype=i32, device=dev)
+    has_len = problem.block_len is not None
+    compiled(interpret, fk.means_kernel)[(n, G)](
+        q, k, v, problem.block_len if has_len else L, qm, km, vm, L,
+        *q.stride(), *k.stride(), *v.stride(), T, H, n,
+        HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 2 if D <= 128 else 4))
 
-        self.tau_mode = problem.topk_ratio == 0.0
-        self.m = m = torch.empty(G, D, dtype=f32, device=dev)
-        self.var = torch.empty(G, D, dtype=f32, device=dev) if self.tau_mode else m
+    tau_mode = problem.topk_ratio == 0.0
+    m = torch.empty(G, D, dtype=f32, device=dev)
+    var = torch.empty(G, D, dtype=f32, device=dev) if tau_mode else m
+    bd = tuning.get("centroid_bd", min(D, 32))
+    compiled(interpret, fk.centroid_kernel)[(G, D // bd)](
+        km, m, var, n, NEED_VAR=tau_mode, HEAD_DIM=D, BD=bd, BJ=max(16, min(256, _pow2(n), 8192 // bd)),
+        num_warps=4)
 
-        s0, s1 = problem.sink_blocks or (0, 0)
-        self.kk = 0
-        if self.tau_mode:
-            self.sel = 0
-        else:
-            self.kk = topk_count(problem.topk_ratio, n - (s1 - s0))
-            self.sel = 1 if self.kk > 0 else 2
-        # launch parameters from a sweep on an H200 at D=128 (benchmarks/diag/plan_h3_fused.py sweep):
-        # with tf32x3 products, 16-row tiles in 4 warps ran the select kernel in 0.68-0.77 ms at H3
-        # against 0.91-1.20 ms with 32 rows in 8 warps; with IEEE products (FMA, no tensor cores) 4
-        # warps took 7.8 ms in tau mode with the tail, so those keep 8 warps (2.3-2.5 ms) and the
-        # 32-row tiles that halve the reads of the key and value means where programs are plentiful.
-        # 2 warps per means program read q and k at 3.8 TB/s (D <= 128; wider rows keep 4 warps).
-        self.precision = dot_precision(dev)
-        self.ieee = ieee = self.precision == "ieee"
-        self.block_i = tuning.get("block_i", 16 if not ieee or D > 128 or self.interpret
-                                  or G * -(-n // 32) < 264 else 32)
-        self.bj = tuning.get("bj", 64 if D <= 64 else 32)
-        self.NP = _pow2(n)
-        self.rb = tuning.get("rb", max(1, min(self.block_i, _SELECT_TILE_ELEMS // self.NP)))
-        self.c = problem.scale * math.log2(math.e)
-        self.kv_num = torch.empty(G, n, dtype=i32, device=dev)
-        self.kv_idx = torch.empty(G, n, n, dtype=i32, device=dev)
-        self.touch = torch.empty(G, n, dtype=torch.int8, device=dev)
-        # top-k: scores of every (query block, key block) pair by a tiled GEMM, read by the select kernel.
-        # Tau mode computes its scores in the select kernel: reading them instead took the same time
-        # at H3 on an H200 (0.53 + 0.13 ms against 0.67 ms; results/h200/session13/d3f0c89), and skips
-        # the scratch. 64 x 64 tiles in 4 warps: 0.13 ms, against 0.34 ms with 32 x 32 tiles, 0.22 ms
-        # with 8 warps, and 0.21-0.25 ms with key tiles looped over in one program (045cf55).
-        # With IEEE products (FMA, no tensor cores: ROCm, or DOT_PRECISION = "ieee") that GEMM took
-        # 5.3 ms at H3 against 2.3-2.5 ms for the whole select kernel computing the scores itself in
-        # 32-row tiles, so there the select kernel still writes its own scores (SCORES_HERE).
-        self.read_scores = self.sel == 1 or bool(tuning.get("read_scores", False))
-        self.scores_here = self.sel == 1 and bool(tuning.get("scores_here", ieee))
-        self.scratch = torch.empty(G, n, n, dtype=f32, device=dev) if self.read_scores else m
-        self.theta = torch.empty(G, n, dtype=i32, device=dev) if self.sel == 1 else self.kv_num
-        self.tail_lse = torch.empty(G, n, dtype=f32, device=dev) if self.tail else m
-        self.tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if self.tail else m
-        self.coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if self.coarse else m
+    s0, s1 = problem.sink_blocks or (0, 0)
+    q0, q1 = problem.sink_q or (0, 0)
+    kk = 0
+    if tau_mode:
+        sel = 0
+    else:
+        kk = topk_count(problem.topk_ratio, n - (s1 - s0))
+        sel = 1 if kk > 0 else 2
+    # launch parameters from a sweep on an H200 at D=128 (benchmarks/diag/plan_h3_fused.py sweep):
+    # with tf32x3 products, 16-row tiles in 4 warps ran the select kernel in 0.68-0.77 ms at H3
+    # against 0.91-1.20 ms with 32 rows in 8 warps; with IEEE products (FMA, no tensor cores) 4
+    # warps took 7.8 ms in tau mode with the tail, so those keep 8 warps (2.3-2.5 ms) and the
+    # 32-row tiles that halve the reads of the key and value means where programs are plentiful.
+    # 2 warps per means program read q and k at 3.8 TB/s (D <= 128; wider rows keep 4 warps).
+    precision = dot_precision(dev)
+    ieee = precision == "ieee"
+    block_i = tuning.get("block_i", 16 if not ieee or D > 128 or interpret or G * -(-n // 32) < 264 else 32)
+    bj = tuning.get("bj", 64 if D <= 64 else 32)
+    NP = _pow2(n)
+    rb = tuning.get("rb", max(1, min(block_i, _SELECT_TILE_ELEMS // NP)))
+    c = problem.scale * math.log2(math.e)
+    kv_num = torch.empty(G, n, dtype=i32, device=dev)
+    kv_idx = torch.empty(G, n, n, dtype=i32, device=dev)
+    touch = torch.empty(G, n, dtype=torch.int8, device=dev)
+    # top-k: scores of every (query block, key block) pair by a tiled GEMM, read by the select kernel.
+    # Tau mode computes its scores in the select kernel: reading them instead took the same time
+    # at H3 on an H200 (0.53 + 0.13 ms against 0.67 ms; results/h200/session13/d3f0c89), and skips
+    # the scratch. 64 x 64 tiles in 4 warps: 0.13 ms, against 0.34 ms with 32 x 32 tiles, 0.22 ms
+    # with 8 warps, and 0.21-0.25 ms with key tiles looped over in one program (045cf55).
+    # With IEEE products (FMA, no tensor cores: ROCm, or DOT_PRECISION = "ieee") that GEMM took
+    # 5.3 ms at H3 against 2.3-2.5 ms for the whole select kernel computing the scores itself in
+    # 32-row tiles, so there the select kernel still writes its own scores (SCORES_HERE).
+    read_scores = sel == 1 or bool(tuning.get("read_scores", False))
+    scores_here = sel == 1 and bool(tuning.get("scores_here", ieee))
+    scratch = torch.empty(G, n, n, dtype=f32, device=dev) if read_scores else m
+    if read_scores and not scores_here:
+        bm = tuning.get("scores_tile", 64)
+        compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // bm), G)](
+            qm, km, m, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, DOT=precision,
+            num_warps=tuning.get("scores_warps", 4))
+    theta = torch.empty(G, n, dtype=i32, device=dev) if sel == 1 else kv_num
+    tail_lse = torch.empty(G, n, dtype=f32, device=dev) if tail else m
+    tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if tail else m
+    coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
+    compiled(interpret, tuning.get("select_kernel", fk.select_kernel))[(-(-n // block_i), G)](
+        qm, km, vm, m, var, L, scratch, theta,
+        kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
+        n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
+        SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
+        DOT=precision, READ_SCORES=read_scores, SCORES_HERE=scores_here,
+        POOL_DOT=tuning.get("pool_dot", precision), **tuning.get("select_constexprs", {}),
+        num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
+        **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
 
-    def rows(self, g0: int, g1: int) -> None:
-        """Launch the plan's kernels for batch * head rows ``g0 <= g < g1`` on the current stream."""
-        from ..backends.triton.kernel import compiled  # imports Triton
-        from . import fused_kernels as fk
+    def bh(x: torch.Tensor) -> torch.Tensor:
+        return x.view(B, H, *x.shape[1:])
 
-        problem, tuning, interpret = self.problem, self.tuning, self.interpret
-        q, k, v = self.q, self.k, self.v
-        T, H, D, n, rows = problem.T, problem.H, problem.D, problem.n, g1 - g0
-        has_len = problem.block_len is not None
-        compiled(interpret, fk.means_kernel)[(n, rows)](
-            q, k, v, problem.block_len if has_len else self.L, self.qm, self.km, self.vm, self.L,
-            *q.stride(), *k.stride(), *v.stride(), T, H, n, g0,
-            HAS_BLOCK_LEN=has_len, NEED_V=self.need_v, HEAD_DIM=D, BLOCK=BLOCK,
-            num_warps=tuning.get("means_warps", 2 if D <= 128 else 4))
-        bd = tuning.get("centroid_bd", min(D, 32))
-        compiled(interpret, fk.centroid_kernel)[(rows, D // bd)](
-            self.km, self.m, self.var, n, g0, NEED_VAR=self.tau_mode, HEAD_DIM=D, BD=bd,
-            BJ=max(16, min(256, _pow2(n), 8192 // bd)), num_warps=4)
-        if self.read_scores and not self.scores_here:
-            bm = tuning.get("scores_tile", 64)
-            compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // bm), rows)](
-                self.qm, self.km, self.m, self.scratch, n, self.c, g0, HEAD_DIM=D, BM=bm, BN=bm,
-                DOT=self.precision, num_warps=tuning.get("scores_warps", 4))
-        s0, s1 = problem.sink_blocks or (0, 0)
-        q0, q1 = problem.sink_q or (0, 0)
-        compiled(interpret, tuning.get("select_kernel", fk.select_kernel))[(-(-n // self.block_i), rows)](
-            self.qm, self.km, self.vm, self.m, self.var, self.L, self.scratch, self.theta,
-            self.kv_num, self.kv_idx, self.touch, self.tail_lse, self.tail_value, self.coarse_out,
-            n, self.c, self.c * self.c, problem.tau, self.kk, s0, s1, q0, q1, g0,
-            SEL=self.sel, HAS_TAIL=self.tail, HAS_COARSE=self.coarse, HEAD_DIM=D, BLOCK_I=self.block_i,
-            BJ=self.bj, NP=self.NP, RB=self.rb, BLOCK=BLOCK, DOT=self.precision, READ_SCORES=self.read_scores,
-            SCORES_HERE=self.scores_here, POOL_DOT=tuning.get("pool_dot", self.precision),
-            **tuning.get("select_constexprs", {}),
-            num_warps=tuning.get("select_warps", 8 if self.ieee and D >= 128 else 4),
-            **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
-
-    @property
-    def plan(self) -> Plan:
-        """The :class:`Plan` the launches fill (complete once every row has been launched and run)."""
-        B, H, D = self.problem.B, self.problem.H, self.problem.D
-
-        def bh(x: torch.Tensor) -> torch.Tensor:
-            return x.view(B, H, *x.shape[1:])
-
-        return Plan(kv_num_blocks=bh(self.kv_num), kv_indices=bh(self.kv_idx), block_len=self.L,
-                    key_mean=self.m.view(B, H, 1, D),
-                    tail_lse=bh(self.tail_lse) if self.tail else None,
-                    tail_value=bh(self.tail_value) if self.tail else None,
-                    coarse=bh(self.coarse_out) if self.coarse else None,
-                    touches_dead=bh(self.touch.view(torch.bool)))
+    return Plan(kv_num_blocks=bh(kv_num), kv_indices=bh(kv_idx), block_len=L, key_mean=m.view(B, H, 1, D),
+                tail_lse=bh(tail_lse) if tail else None, tail_value=bh(tail_value) if tail else None,
+                coarse=bh(coarse_out) if coarse else None, touches_dead=bh(touch.view(torch.bool)))

@@ -8,18 +8,23 @@ Every kernel is a compiled ``JITFunction`` whatever ``TRITON_INTERPRET`` said at
 from __future__ import annotations
 
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-from ..backends.triton.kernel import gpu_jit
+
+def gpu_jit(fn):
+    # not triton.jit: that returns an interpreted function when TRITON_INTERPRET=1 happens to be
+    # set at import time, and the process would then never compile for the GPU
+    return JITFunction(fn)
 
 
 @gpu_jit
 def means_kernel(Q, K, V, BlockLen, Qm, Km, Vm, Lout,
                  sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd,
-                 T, H, n, g0,
+                 T, H, n,
                  HAS_BLOCK_LEN: tl.constexpr, NEED_V: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK: tl.constexpr):
     j = tl.program_id(0)
-    g = tl.program_id(1) + g0
+    g = tl.program_id(1)
     b = (g // H).to(tl.int64)
     h = (g % H).to(tl.int64)
     rows = tl.arange(0, BLOCK)
@@ -47,12 +52,13 @@ def means_kernel(Q, K, V, BlockLen, Qm, Km, Vm, Lout,
 
 
 @gpu_jit
-def centroid_kernel(Km, Mout, Var, n, g0,
+def centroid_kernel(Km, Mout, Var, n,
                     NEED_VAR: tl.constexpr, HEAD_DIM: tl.constexpr, BD: tl.constexpr, BJ: tl.constexpr):
     """The key centroid ``m`` (and, tau mode, the variance of the key means about it) of one batch *
-    head and BD of its dims: programs per row are HEAD_DIM / BD, since each walks all n blocks
-    (a few long programs per row left the GPU idle: 57 us for 14 rows at H3's n on an H200)."""
-    g = tl.program_id(0).to(tl.int64) + g0
+    head over BD of its dims: HEAD_DIM / BD programs per batch * head, each walking all n blocks in
+    chunks of BJ. One program per batch * head (BD = HEAD_DIM) left most of an H200 idle at H3:
+    0.057 ms against 0.017 ms with BD = 32 (results/h200/session14)."""
+    g = tl.program_id(0).to(tl.int64)
     dims = tl.program_id(1) * BD + tl.arange(0, BD)
     cols = tl.arange(0, BJ)
     base = Km + g * n * HEAD_DIM
@@ -83,13 +89,13 @@ def centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM: tl.constexpr, DOT: tl.cons
 
 
 @gpu_jit
-def scores_kernel(Qm, Km, Mean, Scores, n, c, g0,
+def scores_kernel(Qm, Km, Mean, Scores, n, c,
                   HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
     """Routing scores ``c qm_i . (km_j - m)`` of one (BM query blocks, BN key blocks) tile of one
     batch * head into the ``(G, n, n)`` fp32 ``Scores``: a plain tiled GEMM, so the select kernel
     reads its scores instead of recomputing them from the key means for every 16 query blocks
     (0.13 ms at H3 on an H200 against 0.43 ms inside the select kernel)."""
-    g = tl.program_id(2).to(tl.int64) + g0
+    g = tl.program_id(2).to(tl.int64)
     ii = tl.program_id(0) * BM + tl.arange(0, BM)
     jj = tl.program_id(1) * BN + tl.arange(0, BN)
     dims = tl.arange(0, HEAD_DIM)
@@ -118,7 +124,7 @@ def unsettled_rows(cnt_lo, lo, hi, kk):
 @gpu_jit
 def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                   KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
-                  n, c, cc, tau, kk, s0, s1, q0, q1, g0,
+                  n, c, cc, tau, kk, s0, s1, q0, q1,
                   SEL: tl.constexpr,          # 0: tau, 1: top-k, 2: forced blocks only
                   HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
@@ -129,7 +135,7 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
                                                  # (IEEE products), not scores_kernel
                   POOL_DOT: tl.constexpr):       # precision of the tail and coarse p @ vm products
                                                  # (DOT unless a benchmark asks otherwise)
-    g = tl.program_id(1).to(tl.int64) + g0
+    g = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_I
     ii = i0 + tl.arange(0, BLOCK_I)
     row_ok = ii < n

@@ -10,7 +10,7 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass, replace
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -168,7 +168,7 @@ def kernel_operands(problem: Problem, plan) -> KernelOperands:
 
 def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
-           resid: Optional[torch.Tensor] = None, rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+           resid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run the kernel on ``problem`` with the selection in ``plan``; returns ``(B, T, H, D)`` contiguous.
 
     ``config`` defaults to ``DEFAULT_CONFIGS`` for the head dim (pointer loads below
@@ -178,23 +178,18 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
     contiguous fp32 ``(B, H, n * 64)`` tensor, each row's base-2 log-sum-exp (see
     :func:`solattn.backends.triton.backward.lse_shape`); ``resid`` a tensor like ``out``, the
     output's rounding residual (output + residual = the unrounded attention output, see
-    ``kernel.write_rows``). ``rows``: ``(g0, g1)``, run only the batch * head rows ``g0 <= b * H + h
-    < g1`` (``out`` required; the pipeline of :mod:`.pipeline` launches the kernel group by group).
+    ``kernel.write_rows``).
     """
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"triton backend: argument 'config' received {type(config).__name__}; "
                         f"allowed: None or a KernelConfig")
+    cfg = config
+    if cfg is None:
+        cfg = DEFAULT_CONFIGS.get(problem.D, KernelConfig())
+        if problem.B * problem.H * problem.n < TMA_MIN_PROGRAMS:
+            cfg = replace(cfg, tma=False)
     from . import kernel  # imports triton
-    return run_kernel(kernel.sol_attn_fwd, problem, plan, config or default_config(problem), out,
-                      lse=lse, resid=resid, rows=rows)
-
-
-def default_config(problem: Problem) -> KernelConfig:
-    """``DEFAULT_CONFIGS`` for the head dim, with pointer loads below ``TMA_MIN_PROGRAMS`` programs."""
-    cfg = DEFAULT_CONFIGS.get(problem.D, KernelConfig())
-    if problem.B * problem.H * problem.n < TMA_MIN_PROGRAMS:
-        cfg = replace(cfg, tma=False)
-    return cfg
+    return run_kernel(kernel.sol_attn_fwd, problem, plan, cfg, out, lse=lse, resid=resid)
 
 
 def _check_buffer(name: str, t: Optional[torch.Tensor], shape, dtype: torch.dtype, device: torch.device):
@@ -205,13 +200,11 @@ def _check_buffer(name: str, t: Optional[torch.Tensor], shape, dtype: torch.dtyp
 
 def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
                out: Optional[torch.Tensor] = None, constexprs: Optional[dict] = None,
-               lse: Optional[torch.Tensor] = None, resid: Optional[torch.Tensor] = None,
-               rows: Optional[Tuple[int, int]] = None, ops: Optional["KernelOperands"] = None) -> torch.Tensor:
+               lse: Optional[torch.Tensor] = None, resid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch ``jit_kernel``, a ``JITFunction`` with the production kernel's signature, on
     ``problem`` and ``plan``. :func:`launch` runs the production kernel through it; benchmark
     experiments (``benchmarks/kernel_variants.py``) run their variants through it too, with the
-    variant's own extra ``constexprs`` (name -> value) appended to the launch. ``rows``: see
-    :func:`launch`; ``ops``: the launch's :func:`kernel_operands`, when the caller has them."""
+    variant's own extra ``constexprs`` (name -> value) appended to the launch."""
     from . import kernel  # imports triton
 
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
@@ -225,18 +218,14 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
                          "allowed: both tensors (the backward's buffers) or both None")
     _check_buffer("lse", lse, (B, H, n * BLOCK), torch.float32, v.device)
     _check_buffer("resid", resid, (B, T, H, D), v.dtype, v.device)
-    g0, g1 = (0, B * H) if rows is None else rows
-    if not 0 <= g0 < g1 <= B * H:
-        raise ValueError(f"triton backend: argument 'rows' received {rows!r}; allowed: None or (g0, g1) "
-                         f"with 0 <= g0 < g1 <= B * H = {B * H}")
-    ops = ops or kernel_operands(problem, plan)
+    ops = kernel_operands(problem, plan)
     use_tma = cfg.tma and _tma_ok(problem, ops.interpret)
     q, k_arg, v_arg = ops.q, ops.k, ops.v
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D])
                         for t in (ops.k, ops.v))
-    grid = (n, g1 - g0)
+    grid = (n, B * H)
     kernel.compiled(ops.interpret, jit_kernel)[grid](
         q, k_arg, v_arg, out, ops.gate,
         ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
@@ -244,7 +233,7 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
         *q.stride(), *ops.k.stride(), *ops.v.stride(), *ops.gate.stride(),
         ops.bias_stride_b,
         T, H, n, ops.kv_idx.shape[-1],
-        problem.scale * kernel.LOG2E, g0,
+        problem.scale * kernel.LOG2E,
         HEAD_DIM=D, BLOCK=BLOCK,
         HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse, KV_TMA=use_tma,
         # the softmax may scale raw logits in its FMA only where nothing is added to them and a
@@ -294,19 +283,6 @@ class TritonBackend(Backend):
         if not _triton_installed():
             return [_install_hint(device.type, sys.platform)]
         return []
-
-    def pipelined(self, problem: Problem, config: Optional[KernelConfig] = None) -> Optional[torch.Tensor]:
-        """The output with the fused plan built group by group alongside the kernel
-        (:mod:`.pipeline`) where that applies (:func:`.pipeline.pipeline_groups` > 1), else None."""
-        from .pipeline import pipeline_groups, pipelined_forward
-        groups = pipeline_groups(problem)
-        if groups < 2:
-            return None
-        with torch.no_grad():
-            if problem.device.type == "cuda":
-                with torch.cuda.device(problem.device):
-                    return pipelined_forward(problem, groups, config)[0]
-            return pipelined_forward(problem, groups, config)[0]
 
     def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None,
                 lse: Optional[torch.Tensor] = None, resid: Optional[torch.Tensor] = None) -> torch.Tensor:

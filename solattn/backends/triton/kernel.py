@@ -29,7 +29,6 @@ interpreted one, chosen per call, so the same source runs in CI without a GPU.
 
 from __future__ import annotations
 
-import inspect
 import math
 from contextlib import contextmanager
 
@@ -41,11 +40,8 @@ LOG2E = math.log2(math.e)
 
 def gpu_jit(fn):
     # not triton.jit: that returns an interpreted function when TRITON_INTERPRET=1 happens to
-    # be set at import time, and the process would then never compile for the GPU. ``g0`` (the
-    # first batch * head row of a launch that covers a group of them, see pipeline.py) takes any
-    # value without a recompilation: Triton would otherwise specialise on 1 and multiples of 16.
-    has_g0 = "g0" in inspect.signature(fn).parameters
-    return JITFunction(fn, do_not_specialize=["g0"] if has_g0 else None)
+    # be set at import time, and the process would then never compile for the GPU
+    return JITFunction(fn)
 
 
 @gpu_jit
@@ -87,15 +83,14 @@ def start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
 
 @gpu_jit
 def program_start(Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
-                  T, H, n_blocks, max_blocks, qk_scale, g0,
+                  T, H, n_blocks, max_blocks, qk_scale,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_TAIL: tl.constexpr):
-    """Everything a program knows before its key loop, from its program ids (query block,
-    b*H + h - g0):
+    """Everything a program knows before its key loop, from its program ids (query block, b*H + h):
     ``(bh, b, h, plan_row, q, tok_q, row_ok, m, l, acc, count, idx_row)``, where ``plan_row`` is
     the flat index of (b, h, query block) in the plan, ``count`` its number of listed key blocks
     and ``idx_row`` the pointer to their indices."""
     q_block = tl.program_id(0)
-    bh = tl.program_id(1) + g0
+    bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     plan_row = bh.to(tl.int64) * n_blocks + q_block
@@ -220,7 +215,6 @@ def sol_attn_fwd(
     s_bias_b,
     T, H, n_blocks, max_blocks,
     qk_scale,                      # scale * log2(e): logits are kept in base 2
-    g0,                            # batch * head row of program_id(1) == 0 (a group of rows, pipeline.py)
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,           # 64: the routing block, query rows per program, keys per step
     HAS_TAIL: tl.constexpr,
@@ -233,7 +227,7 @@ def sol_attn_fwd(
 ):
     bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
         Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
-        T, H, n_blocks, max_blocks, qk_scale, g0, HEAD_DIM, BLOCK, HAS_TAIL)
+        T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     bias_row = KeyBias + b * s_bias_b
