@@ -71,6 +71,7 @@ Tensor = torch.Tensor
 
 _ACTIVE: contextvars.ContextVar[Optional["GraphCache"]] = contextvars.ContextVar(
     "solattn_graph_cache", default=None)
+_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("solattn_graph_recording", default=False)
 
 # torch.cuda.graph allows one capture at a time per process.
 _CAPTURE_LOCK = threading.Lock()
@@ -115,12 +116,18 @@ class _Entry:
 
 class _Suspended:
     """No cache is active while the cache itself runs ``fn``: a wired ``sol_attn`` inside
-    ``fn`` then takes its plain path instead of re-entering the cache."""
+    ``fn`` then takes its plain path instead of re-entering the cache. ``recording``: the run
+    is the warm-up or the capture of a graph (see :func:`recording`)."""
+
+    def __init__(self, recording: bool = False):
+        self.recording = recording
 
     def __enter__(self):
         self._token = _ACTIVE.set(None)
+        self._recording = _RECORDING.set(self.recording)
 
     def __exit__(self, *exc):
+        _RECORDING.reset(self._recording)
         _ACTIVE.reset(self._token)
 
 
@@ -220,7 +227,7 @@ class GraphCache:
     def _capture_and_replay(self, key: Hashable, fn: Callable[[], Tensor]) -> Optional[Tensor]:
         """Warm up, capture, store and replay ``key``'s graph (the cache lock is held);
         None when the capture failed (the key is then marked uncapturable)."""
-        with _CAPTURE_LOCK, _Suspended():
+        with _CAPTURE_LOCK, _Suspended(recording=True):
             out = self._warmup(fn)
             if not isinstance(out, Tensor):
                 raise TypeError(f"argument 'fn' returned {type(out).__name__}; allowed: "
@@ -389,6 +396,14 @@ def cuda_graphs(max_graphs: Optional[int] = None, capture_after: Optional[int] =
         return _Scope(cache)
     return _Scope(GraphCache(8 if max_graphs is None else max_graphs,
                              2 if capture_after is None else capture_after))
+
+
+def recording() -> bool:
+    """True while a :class:`GraphCache` warms up and captures a call in this thread / task
+    (the two runs see the same answer, so they launch the same kernels): work whose host
+    cost is paid per launch costs nothing per replay then. The ``triton`` backend gives small
+    problems TMA loads there, whose descriptors cost ~0.1 ms of host time per eager launch."""
+    return _RECORDING.get()
 
 
 def active_cache() -> Optional[GraphCache]:

@@ -436,3 +436,41 @@ def test_cuda_sol_attn_inside_cuda_graphs_scope_replays():
         qg = q.clone().requires_grad_(True)
         solattn.sol_attn(qg, k, v, **kw).float().sum().backward()
         assert qg.grad is not None and cache2.stats.captures == cache2.stats.replays == 0
+
+
+def test_recording_is_true_exactly_while_a_graph_is_warmed_up_and_captured():
+    from solattn.graphs import recording
+    a = torch.arange(4.0)
+    seen = []
+
+    def fn():
+        seen.append(recording())
+        return a * 2
+
+    cache = FakeCache(capture_after=2)
+    assert not recording()
+    for _ in range(3):
+        cache.run(fn, (a,), "k")
+    # eager (first sighting), warm-up, capture; the fake's replay re-runs fn outside a recording,
+    # like the eager calls
+    assert seen[:3] == [False, True, True] and not any(seen[3:]) and not recording()
+    assert cache.log[:2] == ["warmup", "capture"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_small_problems_take_tma_loads_only_when_recorded(monkeypatch):
+    # the config the launcher picks (run_kernel intercepted: nothing runs): pointer loads below
+    # TMA_MIN_PROGRAMS eagerly, TMA loads inside a graph's warm-up and capture, unless turned off
+    from solattn.backends.triton import backend as tb
+    from solattn.validation import validate
+    picked = []
+    monkeypatch.setattr(tb, "run_kernel", lambda kernel, problem, plan, cfg, *a, **k: picked.append(cfg.tma))
+    q = torch.randn(1, 300, 2, 64)
+    problem = validate(q, q, q, topk_ratio=0.3)
+    assert problem.B * problem.H * problem.n < tb.TMA_MIN_PROGRAMS
+    tb.launch(problem, None)
+    with _Suspended(recording=True):
+        tb.launch(problem, None)
+        monkeypatch.setattr(tb, "TMA_IN_GRAPHS", False)
+        tb.launch(problem, None)
+    assert picked == [False, True, False]

@@ -174,6 +174,10 @@ def host_profile(call, calls=300, top=14) -> str:
 
 
 def seed_host():
+    """The seed shape in ``cuda_graphs()``: dense SDPA against graphs captured with pointer loads
+    and with TMA loads (``TMA_IN_GRAPHS``, the default), in the same rounds; the host profile of
+    graph hits."""
+    from solattn.graphs import GraphCache
     q, k, v = make_qkv(2, 4056, 16, 128, dtype=torch.bfloat16, device=dev, seed=0)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     def dense_fn():
@@ -182,14 +186,28 @@ def seed_host():
     for label, kw in (MODES[0], MODES[2]):
         def call():
             return solattn.sol_attn(q, k, v, backend="triton", **kw)
-        with torch.no_grad(), solattn.cuda_graphs():
-            for _ in range(3):
-                call()
-            t = paired_rounds({"dense": dense_fn, "graphs": call}, rounds=200, warm=10)
-            prof = host_profile(call)
-        print(f"\n## seed {label} cuda_graphs e2e {statistics.median(t['graphs']):.3f} ms against dense "
-              f"{statistics.median(t['dense']):.3f} ms, per-round ratio {ratio_summary(t['dense'], t['graphs'])}; "
-              f"host profile of 300 hits:\n{prof}", flush=True)
+        caches = {"pointer": GraphCache(), "TMA": GraphCache()}
+
+        def in_graph(loads):
+            def run():
+                tb.TMA_IN_GRAPHS = loads == "TMA"          # read at capture only
+                with solattn.cuda_graphs(cache=caches[loads]):
+                    return call()
+            return run
+        with torch.no_grad():
+            ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw)
+            errs = {loads: rel_l2(in_graph(loads)().float(), ref) for loads in caches}
+            del ref
+            t = paired_rounds({"dense": dense_fn, "pointer": in_graph("pointer"), "TMA": in_graph("TMA")},
+                              rounds=200, warm=10)
+            prof = host_profile(in_graph("TMA"))
+        tb.TMA_IN_GRAPHS = True
+        stats = ", ".join(f"{name}: {c.stats.captures} capture(s) {c.stats.replays} replays" for name, c in caches.items())
+        for loads in caches:
+            print(f"## seed {label} cuda_graphs {loads} loads e2e {statistics.median(t[loads]):.3f} ms against "
+                  f"dense {statistics.median(t['dense']):.3f} ms, per-round ratio {ratio_summary(t['dense'], t[loads])}, "
+                  f"err {errs[loads]:.2e}", flush=True)
+        print(f"({stats}); host profile of 300 hits (TMA):\n{prof}", flush=True)
 
 
 if __name__ == "__main__":

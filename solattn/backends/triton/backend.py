@@ -14,6 +14,7 @@ from typing import List, Optional
 
 import torch
 
+from ... import graphs
 from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend
 
@@ -77,6 +78,10 @@ DEFAULT_CONFIGS = {d: KernelConfig(1, 4, 3, tma=True) for d in (16, 32, 64, 128)
 #: at 2048 programs, B=2 T=4056 H=16, pointer loads were faster end to end: 0.467 against
 #: 0.477 ms at top-k 10 %, 0.523 against 0.752 ms at tau 1 with tail)
 TMA_MIN_PROGRAMS = 4096
+
+#: a call captured into a CUDA graph (``solattn.graphs``) uses TMA loads at every size: their
+#: descriptors' host cost is paid once, at capture, and none per replay
+TMA_IN_GRAPHS = True
 
 
 def _interpreting() -> bool:
@@ -172,7 +177,7 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
     """Run the kernel on ``problem`` with the selection in ``plan``; returns ``(B, T, H, D)`` contiguous.
 
     ``config`` defaults to ``DEFAULT_CONFIGS`` for the head dim (pointer loads below
-    ``TMA_MIN_PROGRAMS`` programs). ``out``, when given, must be a contiguous ``(B, T, H, D)``
+    ``TMA_MIN_PROGRAMS`` programs, unless a CUDA graph is being recorded: ``TMA_IN_GRAPHS``). ``out``, when given, must be a contiguous ``(B, T, H, D)``
     tensor of v's dtype on q's device; the kernel writes every element of it (tests poison it first).
     ``lse`` and ``resid``, given together, receive what the fused backward needs: ``lse`` a
     contiguous fp32 ``(B, H, n * 64)`` tensor, each row's base-2 log-sum-exp (see
@@ -186,7 +191,7 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
     cfg = config
     if cfg is None:
         cfg = DEFAULT_CONFIGS.get(problem.D, KernelConfig())
-        if problem.B * problem.H * problem.n < TMA_MIN_PROGRAMS:
+        if problem.B * problem.H * problem.n < TMA_MIN_PROGRAMS and not (TMA_IN_GRAPHS and graphs.recording()):
             cfg = replace(cfg, tma=False)
     from . import kernel  # imports triton
     return run_kernel(kernel.sol_attn_fwd, problem, plan, cfg, out, lse=lse, resid=resid)
