@@ -47,8 +47,9 @@ from .plan import Plan
 from .select import topk_count
 
 #: rows of the (rows, n) score tile the top-k bisection keeps in registers at a time, times n:
-#: 4 rows of H3's 1024-wide (padded) rows took 0.295 ms in the select kernel on an H200 against
-#: 0.324 ms with 8 and 0.42 ms with 16 (two runs, results/h200/session14/select_cost*.txt)
+#: 4 of H3's 1024-wide (padded) rows took 0.29-0.30 ms in the select kernel on an H200 against
+#: 0.32-0.33 ms with 8 and 0.42 ms with 16 (three runs: results/h200/session14/{b1a67c1,fd08fec,
+#: 35a8db0}/select_cost.txt)
 _SELECT_TILE_ELEMS = 4096
 
 #: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums). None: "tf32x3" (three
@@ -71,9 +72,9 @@ def dot_precision(device: torch.device) -> str:
 
 #: largest n (key blocks) the fused plan takes (T = 524288 tokens); beyond it the torch plan
 #: chunks the work. The select kernel's bisection holds whole rows of n scores (padded to a power
-#: of two) in tiles of ``_SELECT_TILE_ELEMS`` (fewer rows of wider scores as n grows); from 4096
-#: blocks a tile is one row, up to 8192 wide here, as wide as a tile had been before the rows were
-#: cut to 4 at H3 (8192 elements). Run on an H200 up to n = 583 (H3, 1024-wide rows).
+#: of two) in tiles of ``_SELECT_TILE_ELEMS`` scores, fewer rows as n grows, and at least one
+#: whole row: past 4096 blocks one row of up to 8192 scores (the tile size before session 14).
+#: Run on an H200 up to n = 583 (H3, 1024-wide rows).
 MAX_FUSED_BLOCKS = 8192
 
 
@@ -133,8 +134,8 @@ def fused_plan(problem: Problem) -> Plan:
 
 def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
-    ``means_warps``, ``centroid_bd`` (head dims per centroid program), ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
-    bisection tile), ``select_warps``, ``select_stages``, ``scores_tile``, ``scores_warps``,
+    ``means_warps``, ``centroid_bd`` (head dims per centroid program), ``block_i``, ``bj`` (key
+    blocks per column chunk), ``rb`` (rows per bisection tile), ``select_warps``, ``select_stages``, ``scores_tile``, ``scores_warps``,
     ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), ``scores_here``
     (top-k: the select kernel computes the scores instead of the scores kernel), ``pool_dot``
     (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32"), and

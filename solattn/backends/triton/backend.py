@@ -177,8 +177,9 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
     """Run the kernel on ``problem`` with the selection in ``plan``; returns ``(B, T, H, D)`` contiguous.
 
     ``config`` defaults to ``DEFAULT_CONFIGS`` for the head dim (pointer loads below
-    ``TMA_MIN_PROGRAMS`` programs, unless a CUDA graph is being recorded: ``TMA_IN_GRAPHS``). ``out``, when given, must be a contiguous ``(B, T, H, D)``
-    tensor of v's dtype on q's device; the kernel writes every element of it (tests poison it first).
+    ``TMA_MIN_PROGRAMS`` programs, unless a CUDA graph is being recorded: ``TMA_IN_GRAPHS``).
+    ``out``, when given, must be a contiguous ``(B, T, H, D)`` tensor of v's dtype on q's device;
+    the kernel writes every element of it (tests poison it first).
     ``lse`` and ``resid``, given together, receive what the fused backward needs: ``lse`` a
     contiguous fp32 ``(B, H, n * 64)`` tensor, each row's base-2 log-sum-exp (see
     :func:`solattn.backends.triton.backward.lse_shape`); ``resid`` a tensor like ``out``, the
