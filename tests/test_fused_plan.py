@@ -75,8 +75,8 @@ def test_sinks_and_sink_q_without_tail(mode):
     assert (got.kv_num_blocks[:, :, 4:6] == got.n).all()
 
 
-# top-k with a tail selects in key-block chunks, without one a bisection tile's whole rows at once
-# (the select kernel's WIDE path): the top-k tests below run both
+# the tail switches on the select kernel's pooled sums and the means of v (NEED_V): the top-k tests
+# below run with and without it
 
 @pytest.mark.parametrize("tail", [True, False])
 @pytest.mark.parametrize("T", [1, 100, 130, 333])

@@ -31,7 +31,7 @@ dev = torch.device("cuda")
 #: launch settings (``fused._fused_plan`` tuning keys, "key=value ..."). Sweeps at 2c916fc, 045cf55
 #: and d3f0c89 (results/h200/session13/; the first two ran their top-k rows with the tail, validate's
 #: default) kept 64 x 64 score tiles in 4 warps and the select kernel's 16 rows, 4 warps, bj 32, rb 8;
-#: (rb 4 since session 14: 0.03 ms faster than 8 in two runs; centroid_bd 32: 0.04 ms faster than 128);
+#: (rb 4 since session 14: 0.03 ms faster than 8 in three runs; centroid_bd 32: 0.01-0.05 ms faster than 128);
 #: three probes per bisection pass (+0.13 ms), key tiles looped in one scores program (+0.08-0.11 ms)
 #: and selecting a bisection tile's whole rows at once (+0.13 ms) lost and were removed.
 TOPK = ["", "centroid_bd=128", "rb=8", "rb=16", "select_warps=8", "block_i=32", "scores_tile=32", "scores_warps=8"]

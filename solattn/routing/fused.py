@@ -135,8 +135,8 @@ def fused_plan(problem: Problem) -> Plan:
 def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
     ``means_warps``, ``centroid_bd`` (head dims per centroid program), ``block_i``, ``bj`` (key
-    blocks per column chunk), ``rb`` (rows per bisection tile), ``select_warps``, ``select_stages``, ``scores_tile``, ``scores_warps``,
-    ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), ``scores_here``
+    blocks per column chunk), ``rb`` (rows per bisection tile), ``select_warps``, ``select_stages``,
+    ``scores_tile``, ``scores_warps``, ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), ``scores_here``
     (top-k: the select kernel computes the scores instead of the scores kernel), ``pool_dot``
     (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32"), and
     ``select_kernel`` with its extra ``select_constexprs`` (a diagnostic variant of the select
