@@ -1,7 +1,7 @@
 """Diagnostic variants of the triton backend's kernel, for benchmarks only.
 
 They split the key loop's time into its two halves, and are assembled from the
-production kernel's own ``@jit`` pieces (``program_start``, ``block_logits``, ``softmax_update``,
+production kernel's own ``@jit`` pieces (``program_start``, ``logits``, ``softmax_update``,
 ``write_rows`` in ``solattn/backends/triton/kernel.py``), so they time the same code, not a copy
 of it:
 
@@ -28,7 +28,7 @@ import triton.language as tl  # noqa: E402
 
 from solattn.backends.triton.backend import KernelConfig, run_kernel  # noqa: E402
 from solattn.backends.triton.kernel import (  # noqa: E402
-    gpu_jit, block_logits, key_block, program_start, raw_logits, softmax_update, write_rows)
+    gpu_jit, key_block, logits, program_start, softmax_update, write_rows)
 
 
 @gpu_jit
@@ -50,10 +50,7 @@ def half_loop(
         k, v, tok0, live0, ragged0 = key_block(K, V, idx_row, 0, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,
                                                BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
         for step in range(0, count):
-            if FOLD_SCALE:
-                s = raw_logits(q, k, live0, ragged0)
-            else:
-                s = block_logits(q, k, tok0, live0, KeyBias + b * s_bias_b, qk_scale, HAS_BIAS)
+            s = logits(q, k, tok0, live0, ragged0, KeyBias + b * s_bias_b, qk_scale, HAS_BIAS, FOLD_SCALE)
             p, alpha, m_i, l_i = softmax_update(s, m_i, l_i, qk_scale, FOLD_SCALE)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     else:

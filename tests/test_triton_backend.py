@@ -314,3 +314,21 @@ def test_benchmark_variants_take_the_production_kernels_arguments():
     for name in kernel_variants.VARIANTS:
         out = kernel_variants.run_variant(name, problem, plan, KernelConfig())
         assert out.shape == q.shape and torch.isfinite(out).all(), name
+
+
+def test_gpu_launches_ask_for_fused_multiply_adds():
+    """A launch compiled for the GPU asks Triton for floating-point contraction explicitly (the
+    kernels were measured with it; Triton 3.10 turns its default off), passing everything else
+    through; the interpreter's launches are left alone."""
+    from solattn.backends.triton import kernel as tk
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            seen["grid"] = grid
+            return lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs)
+
+    tk.compiled(False, Recorder())[(3, 4)](1, "x", num_warps=4, FLAG=True)
+    assert seen == {"grid": (3, 4), "args": (1, "x"),
+                    "kwargs": {"num_warps": 4, "FLAG": True, "enable_fp_fusion": True}}
+    assert isinstance(tk.compiled(True, tk.sol_attn_fwd), tk._Interpreted)

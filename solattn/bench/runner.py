@@ -193,5 +193,7 @@ def run(cfg: Config) -> List[dict]:
                     sp = f", {speedup:.2f}x dense" if speedup is not None else ""
                     log(f"  {name}: {ms:.2f} ms{sp}, rel. L2 {err:.2e} vs {basis_name}, kept {kept:.3f}")
                 del basis, contenders
-        del q, k, v, gate, dense_out, dense_fn, qd, kd, vd
+        # release this shape's tensors before the next shape's are made (rebound, not deleted:
+        # the calls built above close over these names)
+        q = k = v = gate = dense_out = dense_fn = qd = kd = vd = None
     return rows

@@ -100,11 +100,12 @@ def scores_kernel(Qm, Km, Mean, Scores, n, c,
     jj = tl.program_id(1) * BN + tl.arange(0, BN)
     dims = tl.arange(0, HEAD_DIM)
     gn = g * n
-    q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=(ii < n)[:, None], other=0.0)
+    row_ok = ii < n
+    q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
     m = tl.load(Mean + g * HEAD_DIM + dims)
     ok = jj < n
     r = centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM, DOT)
-    tl.store(Scores + (gn + ii)[:, None] * n + jj[None, :], r, mask=(ii < n)[:, None] & ok[None, :])
+    tl.store(Scores + (gn + ii)[:, None] * n + jj[None, :], r, mask=row_ok[:, None] & ok[None, :])
 
 
 @gpu_jit

@@ -153,6 +153,17 @@ def raw_logits(q, k, live, ragged):
 
 
 @gpu_jit
+def logits(q, k, tok_k, live, ragged, bias_row, qk_scale, HAS_BIAS: tl.constexpr, FOLD_SCALE: tl.constexpr):
+    """One key block's logits as :func:`softmax_update` takes them: the raw ``q . k`` with
+    ``FOLD_SCALE`` (no bias, positive scale), else the scaled and biased base-2 logits."""
+    if FOLD_SCALE:
+        s = raw_logits(q, k, live, ragged)
+    else:
+        s = block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS)
+    return s
+
+
+@gpu_jit
 def softmax_update(s, m_i, l_i, qk_scale, FOLD_SCALE: tl.constexpr):
     """Fold one block of logits into the running max and sum: ``(p, alpha, m_new, l_new)``;
     the caller rescales its accumulator by ``alpha`` and adds ``p @ v``.
@@ -234,10 +245,7 @@ def sol_attn_fwd(
     for step in range(0, count):
         k, v, tok_k, live, ragged = key_block(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd,
                                               svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
-        if FOLD_SCALE:
-            s = raw_logits(q, k, live, ragged)
-        else:
-            s = block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS)
+        s = logits(q, k, tok_k, live, ragged, bias_row, qk_scale, HAS_BIAS, FOLD_SCALE)
         p, alpha, m_i, l_i = softmax_update(s, m_i, l_i, qk_scale, FOLD_SCALE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
@@ -311,11 +319,29 @@ class _Interpreted:
         return run
 
 
+class _OnGpu:
+    """``kernel[grid](...)`` compiled for the GPU with floating-point contraction on, whatever
+    Triton's default: every kernel here was built and measured with ``a * b + c`` as one fused
+    multiply-add (the softmax's scale and shift are one FMA per logit, ``softmax_update``), which
+    Triton up to 3.9 did by default and 3.10 no longer does (3.9 warns on every first launch that
+    leaves it unset)."""
+
+    def __init__(self, kernel: JITFunction):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            return launch(*args, enable_fp_fusion=True, **kwargs)
+        return run
+
+
 def compiled(interpret: bool, kernel: JITFunction = sol_attn_fwd):
     """``kernel`` (default: the production kernel) as a launchable Triton function: compiled for
-    the GPU, or run by Triton's CPU interpreter.
+    the GPU (with fused multiply-adds, see :class:`_OnGpu`), or run by Triton's CPU interpreter.
 
     Chosen per call rather than at import so that ``TRITON_INTERPRET`` can be set after solattn
     is imported (tests do).
     """
-    return _Interpreted(kernel) if interpret else kernel
+    return _Interpreted(kernel) if interpret else _OnGpu(kernel)

@@ -1,0 +1,92 @@
+"""Programs per SM for the attention kernel at H3 (B=1, T=37296, H=56, D=128, bf16), kernel only.
+
+Nsight Compute at 52a8d3f (results/h200/session15/) found the production kernel (4 warps, 3
+stages, TMA loads) at 148 registers and 115 KB of shared memory per program: 2 programs (8 warps)
+per SM, limited by shared memory, with the tensor pipe 60 % busy and issue slots 43 % busy, so
+the SM mostly waits on latency. Fewer pipeline stages free shared memory (1 stage: 49 KB) and a
+register cap (``maxnreg``) frees registers, so more programs fit on an SM: 3 at 1 stage (registers
+148 <= 170), 4 with ``maxnreg`` 128. Each setting is timed next to the production launch (same
+plan, kernel only, same rounds), with its error against the fp32 definition and its registers,
+spills and shared memory.
+
+    python benchmarks/diag/occupancy_h3.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import solattn  # noqa: E402
+from plan_h3_fused import MODES, paired_rounds  # noqa: E402
+from solattn.backends.triton import backend as tb  # noqa: E402
+from solattn.backends.triton import kernel as tk  # noqa: E402
+from solattn.routing import build_plan  # noqa: E402
+from solattn.testing import make_qkv, rel_l2  # noqa: E402
+from solattn.validation import validate  # noqa: E402
+
+dev = torch.device("cuda")
+#: name -> (num_stages, extra launch options)
+SETTINGS = {"production (3 stages)": (3, {}), "2 stages": (2, {}), "1 stage": (1, {}),
+            "1 stage, maxnreg 168": (1, {"maxnreg": 168}), "1 stage, maxnreg 128": (1, {"maxnreg": 128}),
+            "2 stages, maxnreg 128": (2, {"maxnreg": 128})}
+
+
+def config(stages: int) -> tb.KernelConfig:
+    cfg = object.__new__(tb.KernelConfig)          # num_stages=1 is outside the shipped choices
+    for field, value in dict(kv_per_iter=1, num_warps=4, num_stages=stages, tma=True).items():
+        object.__setattr__(cfg, field, value)
+    return cfg
+
+
+def compiled_stats() -> list:
+    rows = []
+    for cache in tk.sol_attn_fwd.device_caches.values():
+        for ck in cache[0].values():
+            md = ck.metadata
+            rows.append(f"stages {md.num_stages} maxnreg {getattr(md, 'maxnreg', None)}: regs {ck.n_regs}, "
+                        f"spills {ck.n_spills}, shared {md.shared} B")
+    return rows
+
+
+def main():
+    q, k, v = make_qkv(1, 37296, 56, 128, dtype=torch.bfloat16, device=dev, seed=0)
+    for label, kw in MODES:
+        problem = validate(q, k, v, **kw)
+        with torch.no_grad():
+            plan = build_plan(problem)
+            flop = 4 * int(plan.kv_num_blocks.long().sum()) * 64 * 64 * problem.D
+            ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw)
+            base = tb.launch(problem, plan).float()
+            fns, errs = {}, {}
+            for name, (stages, opts) in SETTINGS.items():
+                def fn(stages=stages, opts=opts):
+                    return tb.run_kernel(tk.sol_attn_fwd, problem, plan, config(stages), constexprs=opts)
+                try:
+                    out = fn().float()
+                    errs[name] = (rel_l2(out, ref), rel_l2(out, base))
+                    fns[name] = fn
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    print(f"{label} {name}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            del ref
+            t = paired_rounds(fns, rounds=10, warm=2)
+        base_t = statistics.median(t["production (3 stages)"])
+        print(f"\n## H3 {label}: {flop / 1e12:.2f} TFLOP on kept blocks (10 rounds, kernel only)")
+        print("| setting | ms | TFLOP/s | speed-up | err vs fp32 | diff vs production |")
+        print("|---|---|---|---|---|---|")
+        for name in fns:
+            ms = statistics.median(t[name])
+            print(f"| {name} | {ms:.3f} | {flop / ms / 1e9:.0f} | {base_t / ms:.3f} | {errs[name][0]:.3e} | "
+                  f"{errs[name][1]:.1e} |", flush=True)
+    print("\ncompiled variants:\n" + "\n".join(compiled_stats()))
+
+
+if __name__ == "__main__":
+    print(torch.__version__, torch.cuda.get_device_name(), open("COMMIT").read().strip() if Path("COMMIT").exists() else "")
+    main()
