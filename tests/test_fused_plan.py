@@ -136,11 +136,29 @@ def test_topk_threshold_with_partial_ties(ratio, tail):
 
 @pytest.mark.parametrize("scores_here", [True, False])
 @pytest.mark.parametrize("tail", [True, False])
-def test_topk_scores_from_either_kernel(scores_here, tail):
-    # top-k scores come from scores_kernel (split-TF32 GPUs) or from the select kernel itself
-    # (IEEE products, the interpreter's default): both must select exactly like the torch plan
+@pytest.mark.parametrize("mode", ["topk", "tau"])
+def test_scores_from_either_kernel(mode, scores_here, tail):
+    # scores come from scores_kernel (split-TF32 GPUs) or from the select kernel itself (IEEE
+    # products, the interpreter's default): both must select exactly like the torch plan
     q, k, v = make_qkv(2, 700, 2, 32, dtype=torch.float32, seed=11)
-    _compare(validate(q, k, v, topk_ratio=0.3, tail=tail, sink_blocks=(0, 1)), tuning={"scores_here": scores_here})
+    kw = dict(topk_ratio=0.3) if mode == "topk" else dict(tau=0.5)
+    _compare(validate(q, k, v, tail=tail, sink_blocks=(0, 1), **kw), tuning={"scores_here": scores_here})
+
+
+@pytest.mark.parametrize("mode", ["topk", "tau", "forced"])
+def test_pooled_terms_in_small_tiles(mode):
+    # several row tiles and key chunks of the pooled-terms kernel (n = 21: 16-row tiles, 16-block
+    # chunks, the last of each ragged), with sinks, both branches on; "forced": top-k whose
+    # sinks leave one block, so only forced blocks are exact
+    q, k, v = make_qkv(1, 1300, 2, 32, dtype=torch.float32, seed=12)
+    gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(3))
+    kw = dict(tau=0.5) if mode == "tau" else dict(topk_ratio=0.3)
+    sinks = (2, 4)
+    if mode == "forced":                 # one non-sink block left: no pick by score (kk = 0)
+        sinks = (0, 20)
+        assert solattn.routing.select.topk_count(0.3, 21 - 20) == 0
+    _compare(validate(q, k, v, tail=True, coarse_gate=gate, sink_blocks=sinks, sink_q=(7, 8), **kw),
+             tuning={"pool_bi": 16, "pool_bj": 16})
 
 
 def test_sol_attn_triton_uses_fused_plan_and_matches_torch_plan(monkeypatch):

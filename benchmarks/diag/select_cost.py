@@ -34,9 +34,11 @@ dev = torch.device("cuda")
 #: (rb 4 since session 14: 0.03 ms faster than 8 in three runs; centroid_bd 32: 0.01-0.05 ms faster than 128);
 #: three probes per bisection pass (+0.13 ms), key tiles looped in one scores program (+0.08-0.11 ms)
 #: and selecting a bisection tile's whole rows at once (+0.13 ms) lost and were removed.
-TOPK = ["", "centroid_bd=128", "rb=8", "rb=16", "select_warps=8", "block_i=32", "scores_tile=32", "scores_warps=8"]
-TAU = ["", "centroid_bd=128", "read_scores=1", "pool_dot=tf32"]     # the tail's p @ vm in plain TF32: about half the
-                                                  # select kernel's 0.67 ms is the tail
+TOPK = ["", "rb=8", "select_warps=8", "block_i=32"]
+#: the pooled-terms kernel (session 15): rows per program, key blocks per chunk, warps, stages
+TAU = ["", "pool_bi=64 pool_bj=32 pool_warps=4", "pool_bi=64 pool_bj=16 pool_warps=4",
+       "pool_bi=32 pool_bj=32 pool_warps=4", "pool_bi=16 pool_bj=32 pool_warps=4", "pool_bi=64 pool_bj=64 pool_warps=8",
+       "pool_bi=64 pool_bj=32 pool_warps=8 pool_stages=2", "pool_bi=128 pool_bj=32 pool_warps=8"]
 
 
 def sweep(q, k, v):

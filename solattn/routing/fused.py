@@ -1,24 +1,28 @@
-"""The routing plan of ``sol_attn`` in four Triton kernels (GPU inference path).
+"""The routing plan of ``sol_attn`` in five Triton kernels (GPU inference path).
 
 The torch plan (:func:`.plan.assemble_plan`) is a few dozen small operations plus one host
 synchronisation (the width of ``kv_indices``); on a GPU at small T it is launch-bound and
-costs more than the attention kernel. Here the same plan takes four launches (three in tau mode
-and with IEEE products) and no sync:
+costs more than the attention kernel. Here the same plan takes at most five launches (three
+without tail and coarse terms and with IEEE products) and no sync:
 
 1. :func:`.fused_kernels.means_kernel`, one program per (block, batch * head): fp32 means of q, k, v over
    the live rows of the block, and the live lengths ``L_j``.
-2. :func:`.fused_kernels.centroid_kernel`, one program per batch * head: the key centroid ``m`` and, in tau
-   mode, the population variance of the centred key means over blocks.
-3. :func:`.fused_kernels.scores_kernel` (top-k mode), one program per (64 x 64 tile of block pairs, batch *
+2. :func:`.fused_kernels.centroid_kernel`, ``D / 32`` programs per batch * head: the key centroid ``m``
+   and, in tau mode, the population variance of the centred key means over blocks.
+3. :func:`.fused_kernels.scores_kernel`, one program per (64 x 64 tile of block pairs, batch *
    head): the routing scores ``scale log2(e) qm_i . (km_j - m)`` into an ``(n, n)`` fp32 scratch
    per batch * head. A tiled GEMM reads the key means once per 64 query blocks; recomputed
    inside the select kernel for every 16 query blocks they cost 0.43 ms at H3 on an H200,
-   as a separate kernel 0.13 ms.
-4. :func:`.fused_kernels.select_kernel`, one program per (tile of query-block rows, batch * head): the
-   threshold (tau, scores computed here) or the k-th largest score (top-k, read from the scratch,
-   found by bisection over order-preserving int32 keys, ties kept like ``cand >= theta``), the
-   forced blocks, ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded), ``touches_dead``,
-   and the tail and coarse terms by an online softmax over key-block chunks.
+   as a separate kernel 0.13 ms. (With IEEE products the select kernel writes them instead.)
+4. :func:`.fused_kernels.select_kernel`, one program per (tile of query-block rows, batch * head),
+   reading the scratch: the threshold (tau) or the k-th largest score (top-k, found by bisection
+   over order-preserving int32 keys, ties kept like ``cand >= theta``), each stored for the next
+   kernel, the forced blocks, ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and
+   ``touches_dead``.
+5. :func:`.fused_kernels.pooled_kernel` (tail or coarse branch only), one program per (64
+   query-block rows, batch * head): the tail and coarse terms by an online softmax over key-block
+   chunks of the scratch, with the select kernel's stored thresholds deciding (through the same
+   :func:`.fused_kernels.exact_blocks`) which blocks are pooled.
 
 ``kv_indices`` is ``(B, H, n, n)``: its width is fixed at n rather than the largest count, so
 no count has to reach the host before it is allocated (ties at a top-k threshold can select
@@ -89,10 +93,9 @@ def _triton_importable() -> bool:
 
 def fused_plan_bytes(problem: Problem) -> int:
     """Device bytes the fused plan allocates beyond its fp32 means: ``kv_indices`` at width n
-    and, in top-k mode, the scores kernel's fp32 scratch of the same size."""
+    and the fp32 scores scratch of the same size."""
     G, n = problem.B * problem.H, problem.n
-    per = 8 if problem.topk_ratio > 0 else 4
-    return G * n * n * per
+    return G * n * n * 8
 
 
 def fused_plan_usable(problem: Problem) -> bool:
@@ -136,11 +139,10 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
     ``means_warps``, ``centroid_bd`` (head dims per centroid program), ``block_i``, ``bj`` (key
     blocks per column chunk), ``rb`` (rows per bisection tile), ``select_warps``, ``select_stages``,
-    ``scores_tile``, ``scores_warps``, ``read_scores`` (tau mode also runs the scores kernel and reads its scratch), ``scores_here``
-    (top-k: the select kernel computes the scores instead of the scores kernel), ``pool_dot``
-    (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32"), and
-    ``select_kernel`` with its extra ``select_constexprs`` (a diagnostic variant of the select
-    kernel taking its arguments)."""
+    ``scores_tile``, ``scores_warps``, ``scores_here`` (the select kernel computes the scores
+    instead of the scores kernel), and for the pooled-terms kernel ``pool_bi`` (query-block rows
+    per program), ``pool_bj`` (key blocks per chunk), ``pool_warps``, ``pool_stages`` and
+    ``pool_dot`` (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32")."""
     tuning = tuning or {}
     from ..backends.triton.kernel import compiled  # imports Triton
     from . import fused_kernels as fk
@@ -181,11 +183,12 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     else:
         kk = topk_count(problem.topk_ratio, n - (s1 - s0))
         sel = 1 if kk > 0 else 2
-    # launch parameters from a sweep on an H200 at D=128 (benchmarks/diag/plan_h3_fused.py sweep):
-    # with tf32x3 products, 16-row tiles in 4 warps ran the select kernel in 0.68-0.77 ms at H3
-    # against 0.91-1.20 ms with 32 rows in 8 warps; with IEEE products (FMA, no tensor cores) 4
-    # warps took 7.8 ms in tau mode with the tail, so those keep 8 warps (2.3-2.5 ms) and the
-    # 32-row tiles that halve the reads of the key and value means where programs are plentiful.
+    # launch parameters from sweeps on an H200 at D=128 (benchmarks/diag/plan_h3_fused.py sweep,
+    # select_cost.py): with tf32x3 products, 16-row tiles in 4 warps ran the select kernel in
+    # 0.68-0.77 ms at H3 (with the tail, which it then also computed) against 0.91-1.20 ms with 32
+    # rows in 8 warps; with IEEE products (FMA, no tensor cores) 4 warps took 7.8 ms in tau mode
+    # with the tail, so those keep 8 warps (2.3-2.5 ms) and the 32-row tiles that halve the reads
+    # of the key means where programs are plentiful.
     # 2 warps per means program read q and k at 3.8 TB/s (D <= 128; wider rows keep 4 warps).
     precision = dot_precision(dev)
     ieee = precision == "ieee"
@@ -197,35 +200,41 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     kv_num = torch.empty(G, n, dtype=i32, device=dev)
     kv_idx = torch.empty(G, n, n, dtype=i32, device=dev)
     touch = torch.empty(G, n, dtype=torch.int8, device=dev)
-    # top-k: scores of every (query block, key block) pair by a tiled GEMM, read by the select kernel.
-    # Tau mode computes its scores in the select kernel: reading them instead took the same time
-    # at H3 on an H200 (0.53 + 0.13 ms against 0.67 ms; results/h200/session13/d3f0c89), and skips
-    # the scratch. 64 x 64 tiles in 4 warps: 0.13 ms, against 0.34 ms with 32 x 32 tiles, 0.22 ms
-    # with 8 warps, and 0.21-0.25 ms with key tiles looped over in one program (045cf55).
-    # With IEEE products (FMA, no tensor cores: ROCm, or DOT_PRECISION = "ieee") that GEMM took
-    # 5.3 ms at H3 against 2.3-2.5 ms for the whole select kernel computing the scores itself in
-    # 32-row tiles, so there the select kernel still writes its own scores (SCORES_HERE).
-    read_scores = sel == 1 or bool(tuning.get("read_scores", False))
-    scores_here = sel == 1 and bool(tuning.get("scores_here", ieee))
-    scratch = torch.empty(G, n, n, dtype=f32, device=dev) if read_scores else m
-    if read_scores and not scores_here:
+    # The scores of every (query block, key block) pair into an (n, n) fp32 scratch per batch *
+    # head, read by the select and pooled-terms kernels: by a tiled GEMM, 64 x 64 tiles in 4 warps
+    # (0.13 ms at H3, against 0.34 ms with 32 x 32 tiles, 0.22 ms with 8 warps, 0.21-0.25 ms with
+    # key tiles looped over in one program, 045cf55). With IEEE products (FMA, no tensor cores:
+    # ROCm, or DOT_PRECISION = "ieee") that GEMM took 5.3 ms at H3 against 2.3-2.5 ms for the
+    # select kernel computing the scores itself in 32-row tiles, so there the select kernel
+    # writes them (SCORES_HERE).
+    scores_here = bool(tuning.get("scores_here", ieee))
+    scratch = torch.empty(G, n, n, dtype=f32, device=dev)
+    if not scores_here:
         bm = tuning.get("scores_tile", 64)
         compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // bm), G)](
             qm, km, m, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, DOT=precision,
             num_warps=tuning.get("scores_warps", 4))
     theta = torch.empty(G, n, dtype=i32, device=dev) if sel == 1 else kv_num
+    thr = torch.empty(G, n, dtype=f32, device=dev) if sel == 0 else m
+    compiled(interpret, fk.select_kernel)[(-(-n // block_i), G)](
+        qm, km, m, var, L, scratch, theta, thr, kv_num, kv_idx, touch,
+        n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
+        SEL=sel, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
+        DOT=precision, SCORES_HERE=scores_here,
+        num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
+        **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
     tail_lse = torch.empty(G, n, dtype=f32, device=dev) if tail else m
     tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if tail else m
     coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
-    compiled(interpret, tuning.get("select_kernel", fk.select_kernel))[(-(-n // block_i), G)](
-        qm, km, vm, m, var, L, scratch, theta,
-        kv_num, kv_idx, touch, tail_lse, tail_value, coarse_out,
-        n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
-        SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
-        DOT=precision, READ_SCORES=read_scores, SCORES_HERE=scores_here,
-        POOL_DOT=tuning.get("pool_dot", precision), **tuning.get("select_constexprs", {}),
-        num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
-        **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
+    if tail or coarse:
+        # the pooled terms in 64-row tiles: in the select kernel's 16-row tiles they cost about
+        # 0.45 of its 0.68 ms at H3 in tau mode with the tail (results/h200/session14)
+        bi = tuning.get("pool_bi", 64)
+        compiled(interpret, fk.pooled_kernel)[(-(-n // bi), G)](
+            vm, L, scratch, theta, thr, tail_lse, tail_value, coarse_out, n, s0, s1, q0, q1,
+            SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=tuning.get("pool_bj", 32),
+            POOL_DOT=tuning.get("pool_dot", precision), num_warps=tuning.get("pool_warps", 8 if bi >= 64 else 4),
+            **({"num_stages": tuning["pool_stages"]} if "pool_stages" in tuning else {}))
 
     def bh(x: torch.Tensor) -> torch.Tensor:
         return x.view(B, H, *x.shape[1:])

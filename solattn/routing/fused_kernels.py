@@ -123,19 +123,40 @@ def unsettled_rows(cnt_lo, lo, hi, kk):
 
 
 @gpu_jit
-def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
-                  KvNum, KvIdx, Touch, TailLse, TailValue, Coarse,
+def exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1,
+                 SEL: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr):
+    """Which pairs of a ``(BI query blocks ii, BJ key blocks jj)`` score tile ``r`` are exact (in
+    ``E_i``): above the row's tau threshold ``thr`` (SEL 0), at or above its k-th largest
+    non-sink score (order key ``theta``, SEL 1) or neither (SEL 2), then every forced pair
+    (``|i - j| <= 1``, sink key blocks ``[s0, s1)``, sink query blocks ``[q0, q1)``). The select
+    and the pooled-terms kernels both call this on the same stored scores and thresholds, so
+    a block is pooled exactly when it is not listed."""
+    if SEL == 0:
+        sel = r > thr[:, None]
+    elif SEL == 1:
+        is_sink = (jj >= s0) & (jj < s1)
+        sel = (order_key(r) >= theta[:, None]) & ~is_sink[None, :]
+    else:
+        sel = tl.zeros([BI, BJ], tl.int1)
+    near = (jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1)
+    forced = near | ((jj >= s0) & (jj < s1))[None, :] | ((ii >= q0) & (ii < q1))[:, None]
+    return (sel | forced) & row_ok[:, None] & ok[None, :]
+
+
+@gpu_jit
+def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
+                  KvNum, KvIdx, Touch,
                   n, c, cc, tau, kk, s0, s1, q0, q1,
                   SEL: tl.constexpr,          # 0: tau, 1: top-k, 2: forced blocks only
-                  HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
                   NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
-                  DOT: tl.constexpr,             # tl.dot input_precision of every fp32 product
-                  READ_SCORES: tl.constexpr,     # tau / forced modes: scores read from Scratch too
-                  SCORES_HERE: tl.constexpr,     # top-k: this kernel writes the scores into Scratch
-                                                 # (IEEE products), not scores_kernel
-                  POOL_DOT: tl.constexpr):       # precision of the tail and coarse p @ vm products
-                                                 # (DOT unless a benchmark asks otherwise)
+                  DOT: tl.constexpr,             # tl.dot input_precision of the scores (SCORES_HERE)
+                  SCORES_HERE: tl.constexpr):    # this kernel writes the scores into Scratch (IEEE
+                                                 # products), not scores_kernel
+    """Selection of one tile of BLOCK_I query-block rows of one batch * head, from the scores in
+    ``Scratch``: the tau threshold (stored in ``Thr``) or the k-th largest score (its order key
+    stored in ``Theta``), then ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and
+    ``touches_dead``. The pooled terms are :func:`pooled_kernel`'s."""
     g = tl.program_id(1).to(tl.int64)
     i0 = tl.program_id(0) * BLOCK_I
     ii = i0 + tl.arange(0, BLOCK_I)
@@ -143,20 +164,24 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
     dims = tl.arange(0, HEAD_DIM)
     cols = tl.arange(0, BJ)
     gn = g * n
-    q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
-    m = tl.load(Mean + g * HEAD_DIM + dims)
+    thr = tl.zeros([BLOCK_I], tl.float32)
+    theta = tl.zeros([BLOCK_I], tl.int32)
+    if SCORES_HERE or SEL == 0:
+        q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
     if SEL == 0:
         var = tl.load(Var + g * HEAD_DIM + dims)
         thr = tau * tl.sqrt(cc * tl.sum(q * q * var[None, :], 1) + 1e-6)
+        tl.store(Thr + gn + ii, thr, mask=row_ok)
+    if SCORES_HERE:
+        # this tile's rows of scores into the scratch (scores_kernel's work, in chunks of BJ)
+        m = tl.load(Mean + g * HEAD_DIM + dims)
+        for j0 in range(0, n, BJ):
+            jj = j0 + cols
+            ok = jj < n
+            r = centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM, DOT)
+            tl.store(Scratch + (gn + ii)[:, None] * n + jj[None, :], r, mask=row_ok[:, None] & ok[None, :])
+        tl.debug_barrier()
     if SEL == 1:
-        if SCORES_HERE:
-            # this tile's rows of scores into the scratch (scores_kernel's work, in chunks of BJ)
-            for j0 in range(0, n, BJ):
-                jj = j0 + cols
-                ok = jj < n
-                r = centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM, DOT)
-                tl.store(Scratch + (gn + ii)[:, None] * n + jj[None, :], r, mask=row_ok[:, None] & ok[None, :])
-            tl.debug_barrier()
         # the kk-th largest score per row (bisection over keys) from the scratch
         allc = tl.arange(0, NP)
         cand_ok = (allc < n) & ((allc < s0) | (allc >= s1))
@@ -187,37 +212,13 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
             tl.store(Theta + gn + rr, lo.to(tl.int32), mask=rok)
         tl.debug_barrier()
         theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)
-    sink_row = (ii >= q0) & (ii < q1)
     count = tl.zeros([BLOCK_I], tl.int32)
     touches = tl.zeros([BLOCK_I], tl.int32)
-    if HAS_TAIL:
-        t_max = tl.full([BLOCK_I], float("-inf"), tl.float32)
-        t_sum = tl.zeros([BLOCK_I], tl.float32)
-        t_acc = tl.zeros([BLOCK_I, HEAD_DIM], tl.float32)
-    if HAS_COARSE:
-        c_max = tl.full([BLOCK_I], float("-inf"), tl.float32)
-        c_sum = tl.zeros([BLOCK_I], tl.float32)
-        c_acc = tl.zeros([BLOCK_I, HEAD_DIM], tl.float32)
     for j0 in range(0, n, BJ):
         jj = j0 + cols
         ok = jj < n
-        both = row_ok[:, None] & ok[None, :]
-        if SEL == 1:
-            r = tl.load(Scratch + (gn + ii)[:, None] * n + jj[None, :], mask=both, other=0.0)
-            is_sink = (jj >= s0) & (jj < s1)
-            sel = (order_key(r) >= theta[:, None]) & ~is_sink[None, :]
-        else:
-            if READ_SCORES:
-                r = tl.load(Scratch + (gn + ii)[:, None] * n + jj[None, :], mask=both, other=0.0)
-            else:
-                r = centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM, DOT)
-            if SEL == 0:
-                sel = r > thr[:, None]
-            else:
-                sel = tl.zeros([BLOCK_I, BJ], tl.int1)
-        near = (jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1)
-        forced = near | ((jj >= s0) & (jj < s1))[None, :] | sink_row[:, None]
-        sel = (sel | forced) & both
+        r = tl.load(Scratch + (gn + ii)[:, None] * n + jj[None, :], mask=row_ok[:, None] & ok[None, :], other=0.0)
+        sel = exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, SEL, BLOCK_I, BJ)
         L = tl.load(Lens + jj, mask=ok, other=BLOCK)
         touches = tl.maximum(touches, tl.max((sel & (L < BLOCK)[None, :]).to(tl.int32), 1))
         seli = sel.to(tl.int32)
@@ -225,33 +226,70 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
         tl.store(KvIdx + (gn + ii)[:, None] * n + pos, jj[None, :] + tl.zeros([BLOCK_I, BJ], tl.int32),
                  mask=sel)
         count += tl.sum(seli, 1)
-        if HAS_TAIL or HAS_COARSE:
-            vm = tl.load(Vm + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-        if HAS_TAIL:
-            # base-2 logits of the pooled tail: scale qm.kmc / ln 2 + log2 L_j
-            z = tl.where(sel | ~ok[None, :], float("-inf"), r + tl.log2(L.to(tl.float32))[None, :])
-            new = tl.maximum(t_max, tl.max(z, 1))
-            ref = tl.where(new == float("-inf"), 0.0, new)
-            alpha = tl.math.exp2(t_max - ref)
-            p = tl.math.exp2(z - ref[:, None])
-            t_sum = t_sum * alpha + tl.sum(p, 1)
-            t_acc = t_acc * alpha[:, None] + tl.dot(p, vm, input_precision=POOL_DOT)
-            t_max = new
-        if HAS_COARSE:
-            # softmax over every block; centred scores differ from scale qm.km by a per-row constant
-            z = tl.where(ok[None, :], r, float("-inf"))
-            new = tl.maximum(c_max, tl.max(z, 1))
-            alpha = tl.math.exp2(c_max - new)
-            p = tl.math.exp2(z - new[:, None])
-            c_sum = c_sum * alpha + tl.sum(p, 1)
-            c_acc = c_acc * alpha[:, None] + tl.dot(p, vm, input_precision=POOL_DOT)
-            c_max = new
     tl.store(KvNum + gn + ii, count, mask=row_ok)
     tl.store(Touch + gn + ii, touches.to(tl.int8), mask=row_ok)
     for w0 in range(0, n, BJ):            # padding after the count
         ww = w0 + cols
         pad = row_ok[:, None] & (ww[None, :] < n) & (ww[None, :] >= count[:, None])
         tl.store(KvIdx + (gn + ii)[:, None] * n + ww[None, :], tl.zeros([BLOCK_I, BJ], tl.int32), mask=pad)
+
+
+@gpu_jit
+def pooled_update(z, mx, sm, acc, vm, POOL_DOT: tl.constexpr):
+    """Fold one chunk of base-2 logits ``z`` (``-inf``: not a term) with values ``vm`` into an
+    online softmax ``(max, sum, weighted sum)``; a row with nothing finite yet keeps max -inf."""
+    new = tl.maximum(mx, tl.max(z, 1))
+    ref = tl.where(new == float("-inf"), 0.0, new)
+    alpha = tl.math.exp2(mx - ref)
+    p = tl.math.exp2(z - ref[:, None])
+    return new, sm * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, vm, input_precision=POOL_DOT)
+
+
+@gpu_jit
+def pooled_kernel(Vm, Lens, Scratch, Theta, Thr, TailLse, TailValue, Coarse,
+                  n, s0, s1, q0, q1,
+                  SEL: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr,
+                  POOL_DOT: tl.constexpr):      # tl.dot input_precision of the p @ vm products
+    """The pooled terms of BI query-block rows of one batch * head, by an online softmax over
+    chunks of BJ key blocks of the stored scores: the tail (``tail_lse``, ``tail_value``) over
+    the blocks :func:`exact_blocks` leaves out, weighted by their live lengths, and the coarse
+    branch (a softmax over every block). A tile of 64 rows runs the ``p @ vm`` products at
+    64-row MMA shapes, which the select kernel's 16-row tiles (its bisection keeps them small)
+    do not."""
+    g = tl.program_id(1).to(tl.int64)
+    ii = tl.program_id(0) * BI + tl.arange(0, BI)
+    row_ok = ii < n
+    dims = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BJ)
+    gn = g * n
+    thr = tl.zeros([BI], tl.float32)
+    theta = tl.zeros([BI], tl.int32)
+    if SEL == 0:
+        thr = tl.load(Thr + gn + ii, mask=row_ok, other=0.0)
+    if SEL == 1:
+        theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)
+    t_max = tl.full([BI], float("-inf"), tl.float32)
+    t_sum = tl.zeros([BI], tl.float32)
+    t_acc = tl.zeros([BI, HEAD_DIM], tl.float32)
+    c_max = tl.full([BI], float("-inf"), tl.float32)
+    c_sum = tl.zeros([BI], tl.float32)
+    c_acc = tl.zeros([BI, HEAD_DIM], tl.float32)
+    for j0 in range(0, n, BJ):
+        jj = j0 + cols
+        ok = jj < n
+        r = tl.load(Scratch + (gn + ii)[:, None] * n + jj[None, :], mask=row_ok[:, None] & ok[None, :], other=0.0)
+        vm = tl.load(Vm + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        if HAS_TAIL:
+            sel = exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, SEL, BI, BJ)
+            L = tl.load(Lens + jj, mask=ok, other=1)
+            # base-2 logits of the pooled tail: scale qm.kmc / ln 2 + log2 L_j
+            z = tl.where(sel | ~ok[None, :], float("-inf"), r + tl.log2(L.to(tl.float32))[None, :])
+            t_max, t_sum, t_acc = pooled_update(z, t_max, t_sum, t_acc, vm, POOL_DOT)
+        if HAS_COARSE:
+            # softmax over every block; centred scores differ from scale qm.km by a per-row constant
+            z = tl.where(ok[None, :], r, float("-inf"))
+            c_max, c_sum, c_acc = pooled_update(z, c_max, c_sum, c_acc, vm, POOL_DOT)
     out = (gn + ii)[:, None] * HEAD_DIM + dims[None, :]
     if HAS_TAIL:
         live = t_sum > 0.0
@@ -260,4 +298,4 @@ def select_kernel(Qm, Km, Vm, Mean, Var, Lens, Scratch, Theta,
         tl.store(TailLse + gn + ii, lse, mask=row_ok)
         tl.store(TailValue + out, t_acc / tl.where(live, t_sum, 1.0)[:, None], mask=row_ok[:, None])
     if HAS_COARSE:
-        tl.store(Coarse + out, c_acc / c_sum[:, None], mask=row_ok[:, None])
+        tl.store(Coarse + out, c_acc / tl.where(c_sum > 0.0, c_sum, 1.0)[:, None], mask=row_ok[:, None])
