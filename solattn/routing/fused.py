@@ -227,9 +227,12 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if tail else m
     coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
     if tail or coarse:
-        # the pooled terms in 64-row tiles: in the select kernel's 16-row tiles they cost about
-        # 0.45 of its 0.68 ms at H3 in tau mode with the tail (results/h200/session14)
-        bi = tuning.get("pool_bi", 64)
+        # 16 query-block rows per program, 32 key blocks per chunk, 4 warps: at H3 in tau mode
+        # with the tail (H200, results/h200/session15/133d104) 0.33 ms, against 0.41 ms with 32
+        # rows and 0.63-0.84 ms with 64 or 128 (tf32x3 products spill at 4 warps, 8 warps hold
+        # one program per SM); the select kernel then takes 0.10 ms, where with the pooled
+        # terms inside it took 0.68 ms
+        bi = tuning.get("pool_bi", 16)
         compiled(interpret, fk.pooled_kernel)[(-(-n // bi), G)](
             vm, L, scratch, theta, thr, tail_lse, tail_value, coarse_out, n, s0, s1, q0, q1,
             SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=tuning.get("pool_bj", 32),
