@@ -37,7 +37,7 @@ dev = torch.device("cuda")
 TOPK = ["", "rb=8", "select_warps=8", "block_i=32"]
 #: the pooled-terms kernel (session 15): rows per program, key blocks per chunk, warps, stages; at 133d104
 #: (default 64 rows, 8 warps) 16 rows in 4 warps took 0.33 ms, 32 rows 0.41, 64 rows 0.63-0.75, 128 rows 0.69
-TAU = ["", "pool_bi=16 pool_bj=16", "pool_bi=16 pool_bj=64", "pool_bi=16 pool_warps=2", "pool_bi=16 pool_warps=8",
+TAU = ["", "pool_bj=32", "pool_bi=16 pool_bj=64", "pool_bi=16 pool_warps=2", "pool_bi=16 pool_warps=8",
        "pool_bi=16 pool_stages=2", "pool_bi=32 pool_bj=16 pool_warps=4", "pool_bi=32 pool_warps=8",
        "pool_bi=64 pool_bj=32 pool_warps=8"]
 

@@ -227,15 +227,16 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if tail else m
     coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
     if tail or coarse:
-        # 16 query-block rows per program, 32 key blocks per chunk, 4 warps: at H3 in tau mode
-        # with the tail (H200, results/h200/session15/133d104) 0.33 ms, against 0.41 ms with 32
+        # 16 query-block rows per program, 16 key blocks per chunk, 4 warps: at H3 in tau mode
+        # with the tail (H200, results/h200/session15/) 0.23 ms, against 0.32-0.33 ms with 32 or
+        # 64 blocks per chunk, 0.29-0.31 ms with 2 or 8 warps or 2 stages, 0.36-0.46 ms with 32
         # rows and 0.63-0.84 ms with 64 or 128 (tf32x3 products spill at 4 warps, 8 warps hold
         # one program per SM); the select kernel then takes 0.10 ms, where with the pooled
         # terms inside it took 0.68 ms
         bi = tuning.get("pool_bi", 16)
         compiled(interpret, fk.pooled_kernel)[(-(-n // bi), G)](
             vm, L, scratch, theta, thr, tail_lse, tail_value, coarse_out, n, s0, s1, q0, q1,
-            SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=tuning.get("pool_bj", 32),
+            SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=tuning.get("pool_bj", 16),
             POOL_DOT=tuning.get("pool_dot", precision), num_warps=tuning.get("pool_warps", 8 if bi >= 64 else 4),
             **({"num_stages": tuning["pool_stages"]} if "pool_stages" in tuning else {}))
 
