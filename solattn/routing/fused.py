@@ -108,7 +108,7 @@ def fused_plan_usable(problem: Problem) -> bool:
     On an H200 the fused plan is the faster one at every size measured (bf16, D=128): at the seed
     shape (B=2, T=4056, H=16) its kernels take 0.05-0.07 ms of GPU time against the torch plan's
     1.0 ms of mostly launch-bound work, and at H3 (B=1, T=37296, H=56) 0.72 ms (top-k) and
-    1.10 ms (tau with the tail) against 2.5-3.1 ms (``benchmarks/diag/plan_h3_fused.py``)."""
+    0.87 ms (tau with the tail) against 2.5-3.1 ms (``benchmarks/diag/plan_h3_fused.py``)."""
     dev = problem.device.type
     if not (dev == "cuda" or (dev == "cpu" and _interpreting())):
         return False
