@@ -123,6 +123,17 @@ def unsettled_rows(cnt_lo, lo, hi, kk):
 
 
 @gpu_jit
+def row_tile(n, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BJ: tl.constexpr):
+    """This program's tile of ROWS query-block rows of one batch * head (program ids: row tile,
+    batch * head): ``(g, i0, ii, row_ok, dims, cols, gn)`` with ``gn = g * n`` the head's first
+    plan row and ``cols`` one chunk of BJ key-block offsets."""
+    g = tl.program_id(1).to(tl.int64)
+    i0 = tl.program_id(0) * ROWS
+    ii = i0 + tl.arange(0, ROWS)
+    return g, i0, ii, ii < n, tl.arange(0, HEAD_DIM), tl.arange(0, BJ), g * n
+
+
+@gpu_jit
 def exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1,
                  SEL: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr):
     """Which pairs of a ``(BI query blocks ii, BJ key blocks jj)`` score tile ``r`` are exact (in
@@ -157,13 +168,7 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
     ``Scratch``: the tau threshold (stored in ``Thr``) or the k-th largest score (its order key
     stored in ``Theta``), then ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and
     ``touches_dead``. The pooled terms are :func:`pooled_kernel`'s."""
-    g = tl.program_id(1).to(tl.int64)
-    i0 = tl.program_id(0) * BLOCK_I
-    ii = i0 + tl.arange(0, BLOCK_I)
-    row_ok = ii < n
-    dims = tl.arange(0, HEAD_DIM)
-    cols = tl.arange(0, BJ)
-    gn = g * n
+    g, i0, ii, row_ok, dims, cols, gn = row_tile(n, BLOCK_I, HEAD_DIM, BJ)
     thr = tl.zeros([BLOCK_I], tl.float32)
     theta = tl.zeros([BLOCK_I], tl.int32)
     if SCORES_HERE or SEL == 0:
@@ -254,15 +259,10 @@ def pooled_kernel(Vm, Lens, Scratch, Theta, Thr, TailLse, TailValue, Coarse,
     """The pooled terms of BI query-block rows of one batch * head, by an online softmax over
     chunks of BJ key blocks of the stored scores: the tail (``tail_lse``, ``tail_value``) over
     the blocks :func:`exact_blocks` leaves out, weighted by their live lengths, and the coarse
-    branch (a softmax over every block). A tile of 64 rows runs the ``p @ vm`` products at
-    64-row MMA shapes, which the select kernel's 16-row tiles (its bisection keeps them small)
-    do not."""
-    g = tl.program_id(1).to(tl.int64)
-    ii = tl.program_id(0) * BI + tl.arange(0, BI)
-    row_ok = ii < n
-    dims = tl.arange(0, HEAD_DIM)
-    cols = tl.arange(0, BJ)
-    gn = g * n
+    branch (a softmax over every block). Apart from the select kernel, whose registers its
+    ``p @ vm`` products and accumulators crowded (12.5 % occupancy on an H200), it runs at its
+    own tile sizes (``fused._fused_plan``)."""
+    g, i0, ii, row_ok, dims, cols, gn = row_tile(n, BI, HEAD_DIM, BJ)
     thr = tl.zeros([BI], tl.float32)
     theta = tl.zeros([BI], tl.int32)
     if SEL == 0:
