@@ -6,10 +6,16 @@ from __future__ import annotations
 import csv
 import math
 import os
+from pathlib import Path
 
 import pytest
 
 from solattn import bench
+
+
+def _csv_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +34,7 @@ def test_quick_writes_csv_markdown_and_plot(quick_run):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     with open(os.path.join(out, "bench.csv")) as f:
         assert next(csv.reader(f)) == bench.COLUMNS
-    md = open(os.path.join(out, "bench.md")).read()
+    md = Path(out, "bench.md").read_text()
     assert "| backend |" in md and "two-number model" in md
 
 
@@ -135,7 +141,7 @@ def test_tail_and_coarse_gate_rows(tmp_path):
                      "--coarse-gate", "--backends", "sdpa", "--repeats", "1", "--no-plot",
                      "--out", str(tmp_path)])
     assert rc == 0
-    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    rows = _csv_rows(tmp_path / "bench.csv")
     assert [r["backend"] for r in rows] == ["sdpa", "sdpa"]              # dense left out on request
     assert {r["tail"] for r in rows} == {"False", "True"}                # --tail adds tail rows
     assert all(r["coarse_gate"] == "True" and r["speedup"] == "" for r in rows)
@@ -148,14 +154,14 @@ def test_tau_mode_rows_and_peers_not_run_say_why(tmp_path, capsys):
                      "--tail", "--backends", "sdpa", "comfy-kitchen", "--repeats", "1", "--no-plot",
                      "--out", str(tmp_path)])
     assert rc == 0
-    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    rows = _csv_rows(tmp_path / "bench.csv")
     tau_rows = [r for r in rows if float(r["ratio"]) == 0]
     assert len(tau_rows) == 2 and all(float(r["tau"]) == 0.5 for r in tau_rows)
     assert all(r["tau"] == "" for r in rows if float(r["ratio"]) > 0)
     # tau 0.5 keeps a different fraction of blocks than top-k 0.2, and both match the reference
     assert {r["kept_fraction"] for r in tau_rows}.isdisjoint({r["kept_fraction"] for r in rows if r not in tau_rows})
     assert all(float(r["rel_l2"]) < 2e-2 for r in rows)
-    md = open(tmp_path / "bench.md").read()
+    md = (tmp_path / "bench.md").read_text()
     assert "| tau 0.5 |" in md and "| top-k 0.2 |" in md
     out = capsys.readouterr().out
     assert "not run: comfy-kitchen: its fused kernel runs on CUDA only" in out
@@ -201,7 +207,7 @@ def test_runs_without_resource_and_getloadavg(monkeypatch, tmp_path):
     rc = bench.main(["--device", "cpu", "--shapes", "1,128,1,32", "--ratios", "0.5", "--repeats", "1",
                      "--no-plot", "--out", str(tmp_path)])
     assert rc == 0
-    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    rows = _csv_rows(tmp_path / "bench.csv")
     assert {r["backend"] for r in rows} == {"dense", "sdpa"}
     assert all(r["peak_basis"] == "rss>=" and float(r["peak_mib"]) >= 0 for r in rows)   # sampler alone
     md = (tmp_path / "bench.md").read_text()

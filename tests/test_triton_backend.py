@@ -24,7 +24,6 @@ if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
     # on GPU machines the compiled kernel is tested by tests/test_backends.py instead.
     pytest.skip(f"interpreter tests need triton >= 3.9 (found {triton.__version__})", allow_module_level=True)
 
-import solattn  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 from solattn.backends.reference import reference_forward  # noqa: E402
