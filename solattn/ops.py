@@ -253,13 +253,6 @@ def _sol_attn_forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Option
     ``want_lse``: a backward may follow."""
     problem = validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
                        block_len, coarse_gate, token_aug)
-    return _forward_problem(problem, backend, want_lse)
-
-
-def _forward_problem(problem: Problem, backend: str, want_lse: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`_sol_attn_forward` on an already validated ``problem`` (a plain eager call has
-    validated its arguments once, before any work, and does not pay for it twice)."""
-    q, v = problem.q, problem.v
     with torch.no_grad():  # the forward never records autograd
         chosen = dispatch.choose(problem, backend or None)
         # A backward rebuilds a plan with tail or coarse terms through the torch path (they carry
@@ -362,8 +355,8 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
     Returns:
         ``(B, T, H, D)`` contiguous tensor in v's dtype.
     """
-    problem = validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
-                       coarse_gate, token_aug)
+    validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
+             coarse_gate, token_aug)
     if backend is not None:
         dispatch.get_backend(backend)
     want_lse = torch.is_grad_enabled() and any(
@@ -372,7 +365,9 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
             _as_list(sink_q), key_bias, float(topk_ratio), bool(tail), block_len, coarse_gate,
             int(token_aug), backend or "", want_lse)
     if not want_lse and plain_eager(q, k, v, key_bias, block_len, coarse_gate):
-        return eager_call(lambda: _forward_problem(problem, backend or "", False)[0],
-                          (q, k, v, key_bias, block_len, coarse_gate),
+        # fn validates again (about 6 us on the CPU): under cuda_graphs() it is what a graph
+        # captures, and validation makes new tensors (a bool key_bias becomes a float one) that
+        # must be made inside the capture, from the caller's tensors, not once outside it
+        return eager_call(lambda: _sol_attn_forward(*args)[0], (q, k, v, key_bias, block_len, coarse_gate),
                           ("sol_attn", *args[3:7], *args[8:10], *args[12:]))
     return _sol_attn_op(*args)[0]

@@ -438,6 +438,35 @@ def test_cuda_sol_attn_inside_cuda_graphs_scope_replays():
         assert qg.grad is not None and cache2.stats.captures == cache2.stats.replays == 0
 
 
+
+@needs_cuda
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_cuda_graphs_replay_reads_a_bool_key_bias_changed_in_place():
+    """Validation turns a bool ``key_bias`` into a new float tensor: inside ``cuda_graphs()`` that
+    conversion must be part of the captured work, reading the caller's mask. A graph that kept the
+    float tensor made at capture would replay a stale (or freed) mask after the caller changes
+    theirs in place."""
+    import solattn
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 1000, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.ones(1000, dtype=torch.bool, device="cuda")
+    kw = dict(topk_ratio=0.3, tail=False, backend="triton", key_bias=mask)
+    with torch.no_grad():
+        with cuda_graphs(capture_after=1) as cache:
+            outs = []
+            for step in range(4):
+                mask.copy_(torch.rand(1000, device="cuda") < 0.7)
+                outs.append((solattn.sol_attn(q, k, v, **kw), mask.clone()))
+                # take freed blocks of the converted mask's size: a stale read would see NaN
+                junk = [torch.full((1000,), float("nan"), device="cuda") for _ in range(8)]  # noqa: F841
+        for step, (got, mask_then) in enumerate(outs):
+            want = solattn.sol_attn(q, k, v, **dict(kw, key_bias=mask_then))
+            assert torch.equal(got, want) or rel_l2(got, want) < 1e-6, f"step {step}"
+        assert not torch.equal(outs[-1][0], outs[-2][0])
+    s = cache.stats
+    assert s.captures == 1 and s.replays == 3 and s.failures == 0
+
 def test_recording_is_true_exactly_while_a_graph_is_warmed_up_and_captured():
     from solattn.graphs import recording
     a = torch.arange(4.0)

@@ -141,23 +141,3 @@ def test_sdpa_layout_warning_under_torch_compile(monkeypatch):
     with pytest.warns(UserWarning, match="H=300"):
         out = attend(q)
     assert torch.allclose(out, solattn.sol_attn(q, q, q, topk_ratio=0.5, backend="reference"), atol=1e-5)
-
-
-def test_plain_eager_call_validates_once(monkeypatch):
-    """A plain eager call checks its arguments once, before any work, and runs on that result
-    (the op path, taken for autograd, validates again inside the op); the output is the one the
-    op path gives."""
-    from solattn import ops
-    count = []
-
-    def counting(*args, **kwargs):
-        count.append(1)
-        return validate(*args, **kwargs)
-    monkeypatch.setattr(ops, "validate", counting)
-    eager = solattn.sol_attn(Q, K, V, topk_ratio=0.3, backend="sdpa")
-    assert len(count) == 1
-    count.clear()
-    q = Q.clone().requires_grad_(True)
-    through_op = solattn.sol_attn(q, K, V, topk_ratio=0.3, backend="sdpa")
-    assert len(count) == 2
-    torch.testing.assert_close(through_op.detach(), eager, rtol=0, atol=0)
