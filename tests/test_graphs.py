@@ -454,12 +454,12 @@ def test_cuda_graphs_replay_reads_a_bool_key_bias_changed_in_place():
     kw = dict(topk_ratio=0.3, tail=False, backend="triton", key_bias=mask)
     with torch.no_grad():
         with cuda_graphs(capture_after=1) as cache:
-            outs = []
+            outs, held = [], []
             for step in range(4):
                 mask.copy_(torch.rand(1000, device="cuda") < 0.7)
                 outs.append((solattn.sol_attn(q, k, v, **kw), mask.clone()))
                 # take freed blocks of the converted mask's size: a stale read would see NaN
-                junk = [torch.full((1000,), float("nan"), device="cuda") for _ in range(8)]  # noqa: F841
+                held.extend(torch.full((1000,), float("nan"), device="cuda") for _ in range(8))
         for step, (got, mask_then) in enumerate(outs):
             want = solattn.sol_attn(q, k, v, **dict(kw, key_bias=mask_then))
             assert torch.equal(got, want) or rel_l2(got, want) < 1e-6, f"step {step}"
