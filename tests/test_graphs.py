@@ -467,6 +467,7 @@ def test_cuda_graphs_replay_reads_a_bool_key_bias_changed_in_place():
     s = cache.stats
     assert s.captures == 1 and s.replays == 3 and s.failures == 0
 
+
 def test_recording_is_true_exactly_while_a_graph_is_warmed_up_and_captured():
     from solattn.graphs import recording
     a = torch.arange(4.0)
