@@ -19,7 +19,7 @@ without tail and coarse terms and with IEEE products) and no sync:
    over order-preserving int32 keys, ties kept like ``cand >= theta``), each stored for the next
    kernel, the forced blocks, ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and
    ``touches_dead``.
-5. :func:`.fused_kernels.pooled_kernel` (tail or coarse branch only), one program per (64
+5. :func:`.fused_kernels.pooled_kernel` (tail or coarse branch only), one program per (16
    query-block rows, batch * head): the tail and coarse terms by an online softmax over key-block
    chunks of the scratch, with the select kernel's stored thresholds deciding (through the same
    :func:`.fused_kernels.exact_blocks`) which blocks are pooled.

@@ -259,9 +259,9 @@ def pooled_kernel(Vm, Lens, Scratch, Theta, Thr, TailLse, TailValue, Coarse,
     """The pooled terms of BI query-block rows of one batch * head, by an online softmax over
     chunks of BJ key blocks of the stored scores: the tail (``tail_lse``, ``tail_value``) over
     the blocks :func:`exact_blocks` leaves out, weighted by their live lengths, and the coarse
-    branch (a softmax over every block). Apart from the select kernel, whose registers its
-    ``p @ vm`` products and accumulators crowded (12.5 % occupancy on an H200), it runs at its
-    own tile sizes (``fused._fused_plan``)."""
+    branch (a softmax over every block). It is a kernel of its own because inside the select
+    kernel its ``p @ vm`` products and accumulators crowded the registers (12.5 % occupancy on
+    an H200); here it runs at its own tile sizes (``fused._fused_plan``)."""
     g, i0, ii, row_ok, dims, cols, gn = row_tile(n, BI, HEAD_DIM, BJ)
     thr = tl.zeros([BI], tl.float32)
     theta = tl.zeros([BI], tl.int32)
