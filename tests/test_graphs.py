@@ -438,7 +438,6 @@ def test_cuda_sol_attn_inside_cuda_graphs_scope_replays():
         assert qg.grad is not None and cache2.stats.captures == cache2.stats.replays == 0
 
 
-
 @needs_cuda
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_cuda_graphs_replay_reads_a_bool_key_bias_changed_in_place():
