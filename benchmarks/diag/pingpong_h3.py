@@ -1,0 +1,123 @@
+"""The ping-pong Gluon kernel (``benchmarks/kernel_pingpong.py``) against the production kernel.
+
+``check``: small shapes against the fp32 definition (sdpa backend): T cut by the block, an odd
+number of query blocks (a lone last block), B = 2, tail on and off, the coarse branch, D = 64 and
+128, top-k and tau. Each case prints its error and the production kernel's; a case fails when the
+ping-pong error exceeds twice the production's plus 1e-3, or anything is not finite.
+
+``h3``: H3 (B=1, T=37296, H=56, D=128, bf16), the three goal modes, kernel only, same plan, paired
+rounds: production (3-stage TMA) and ping-pong at 2 and 3 stages, with errors against the fp32
+definition, TFLOP/s on the listed blocks, and the difference from the production output.
+
+    python benchmarks/diag/pingpong_h3.py check h3
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kernel_pingpong as kp  # noqa: E402
+import solattn  # noqa: E402
+from plan_h3_fused import MODES, paired_rounds  # noqa: E402
+from solattn.backends.triton import backend as tb  # noqa: E402
+from solattn.routing import build_plan  # noqa: E402
+from solattn.testing import make_qkv, rel_l2  # noqa: E402
+from solattn.validation import validate  # noqa: E402
+
+dev = torch.device("cuda")
+PROD = tb.KernelConfig(num_warps=4, num_stages=3, tma=True)
+
+
+def check() -> bool:
+    ok = True
+    cases = [  # (B, T, H, D, kwargs)
+        (1, 1000, 2, 128, dict(topk_ratio=0.3, tail=False)),
+        (1, 1000, 2, 128, dict(topk_ratio=0.3, tail=True)),
+        (2, 900, 3, 128, dict(tau=1.0, tail=True)),
+        (2, 1024, 2, 128, dict(topk_ratio=0.5, tail=True, coarse=True)),
+        (1, 4056, 4, 128, dict(topk_ratio=0.1, tail=False)),
+        (2, 4056, 4, 128, dict(tau=1.0, tail=True)),
+        (1, 1000, 2, 64, dict(topk_ratio=0.3, tail=True)),
+        (1, 64, 1, 128, dict(topk_ratio=1.0, tail=False)),
+        (1, 130, 1, 128, dict(topk_ratio=1.0, tail=False)),
+    ]
+    print("| B, T, H, D | config | ping-pong err | production err | diff to production |")
+    print("|---|---|---|---|---|")
+    for B, T, H, D, kw in cases:
+        kw = dict(kw)
+        gate = None
+        if kw.pop("coarse", False):
+            gate = torch.rand(B, T, H, D, device=dev, dtype=torch.bfloat16)
+        q, k, v = make_qkv(B, T, H, D, dtype=torch.bfloat16, device=dev, seed=1)
+        problem = validate(q, k, v, coarse_gate=gate, **kw)
+        plan = build_plan(problem)
+        ref = solattn.sol_attn(q.float(), k.float(), v.float(),
+                               coarse_gate=None if gate is None else gate.float(), backend="sdpa", **kw)
+        out = kp.launch(problem, plan).float()
+        prod = tb.run_kernel(_prod_kernel(),
+                             problem, plan, PROD).float()
+        e, ep, d = rel_l2(out, ref), rel_l2(prod, ref), rel_l2(out, prod)
+        good = bool(torch.isfinite(out).all()) and e <= 2 * ep + 1e-3
+        ok &= good
+        print(f"| {B}, {T}, {H}, {D} | {kw}{' coarse' if gate is not None else ''} | {e:.3e} | {ep:.3e} | "
+              f"{d:.1e} | {'ok' if good else 'FAIL'}", flush=True)
+    return ok
+
+
+def _prod_kernel():
+    from solattn.backends.triton import kernel as tk
+    return tk.sol_attn_fwd
+
+
+def h3():
+    q, k, v = make_qkv(1, 37296, 56, 128, dtype=torch.bfloat16, device=dev, seed=0)
+    for label, kw in MODES:
+        problem = validate(q, k, v, **kw)
+        with torch.no_grad():
+            plan = build_plan(problem)
+            flop = 4 * int(plan.kv_num_blocks.long().sum()) * 64 * 64 * problem.D
+            ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw)
+            fns = {"production (3-stage TMA)": lambda: tb.run_kernel(_prod_kernel(), problem, plan, PROD)}
+            for stages in (2, 3):
+                for regs in (232,):
+                    fns[f"ping-pong {stages} stages, {regs} regs"] = (
+                        lambda stages=stages, regs=regs: kp.launch(problem, plan, stages=stages, consumer_regs=regs))
+            errs = {}
+            base = fns["production (3-stage TMA)"]().float()
+            for name in list(fns):
+                try:
+                    out = fns[name]().float()
+                    torch.cuda.synchronize()
+                    errs[name] = (rel_l2(out, ref), rel_l2(out, base))
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    print(f"{label} {name}: failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+                    del fns[name]
+            del ref
+            t = paired_rounds(fns, rounds=10, warm=2)
+        base_t = statistics.median(t["production (3-stage TMA)"])
+        print(f"\n## H3 {label}: {flop / 1e12:.2f} TFLOP on listed blocks (10 rounds, kernel only)")
+        print("| kernel | ms | TFLOP/s | speed-up | err vs fp32 | diff vs production |")
+        print("|---|---|---|---|---|---|")
+        for name in fns:
+            ms = statistics.median(t[name])
+            print(f"| {name} | {ms:.3f} | {flop / ms / 1e9:.0f} | {base_t / ms:.3f} | {errs[name][0]:.3e} | "
+                  f"{errs[name][1]:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    print(torch.__version__, torch.cuda.get_device_name(),
+          open("COMMIT").read().strip() if Path("COMMIT").exists() else "", flush=True)
+    steps = sys.argv[1:] or ["check", "h3"]
+    if "check" in steps and not check():
+        print("check FAILED: h3 not timed")
+        sys.exit(1)
+    if "h3" in steps:
+        h3()
