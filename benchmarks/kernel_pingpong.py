@@ -30,7 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-BLOCK = gl.constexpr(64)
+ROWS = 64                  # the routing block: query rows per consumer, keys per step
+BLOCK = gl.constexpr(ROWS)
 LOG2E = 1.4426950408889634
 
 
@@ -287,8 +288,8 @@ def launch(problem, plan, stages: int = 2, consumer_regs: int = 232, out=None):
         raise ValueError(f"kernel_pingpong: not supported here: {', '.join(why)}")
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
     ops = kernel_operands(problem, plan)
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.bfloat16)
-    descs = [TensorDescriptor(t.view(B * T, H * D), [B * T, H * D], [H * D, 1], [BLOCK, D], layout)
+    layout = gl.NVMMASharedLayout.get_default_for([ROWS, D], gl.bfloat16)
+    descs = [TensorDescriptor(t.view(B * T, H * D), [B * T, H * D], [H * D, 1], [ROWS, D], layout)
              for t in (ops.q, ops.k, ops.v)]
     if out is None:
         out = torch.empty((B, T, H, D), dtype=problem.v.dtype, device=problem.v.device)
