@@ -6,7 +6,7 @@ each other. This kernel gives one program (CTA) two 64-row query blocks of one (
 three partitions:
 
 - a producer (the default partition, 4 warps, few registers) that issues every TMA load: both query
-  blocks, then the listed key and value blocks of both, interleaved, into a ring of ``STAGES`` slots
+  blocks, then the listed key and value blocks of both, interleaved, into a ring of ``SLOTS`` slots
   per query block, each slot with a ready and an empty barrier;
 - two consumer warpgroups, one per query block, each walking its own ``kv_indices`` list with an
   online softmax, in ping-pong: a consumer issues its step's GEMMs (``S_j = Q K_j^T`` and
@@ -52,9 +52,26 @@ def _pair(KvNum, T, H, n_blocks):
 
 
 @gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, idx, count, t, row, col,
+             slot0: gl.constexpr, SLOTS: gl.constexpr, tile_bytes: gl.constexpr):
+    """Load the ``t``-th key and value block of one consumer's list into its ring (a ``t`` past the
+    list, which pads a step of two blocks, loads the last listed block again: finite data that the
+    consumer masks to -inf)."""
+    s = slot0 + t % SLOTS
+    free_phase = ((t // SLOTS) & 1) ^ 1          # a fresh barrier counts its phase "-1" as done
+    kb = gl.load(idx + gl.minimum(t, count - 1))
+    mbarrier.wait(k_empty.index(s), free_phase)
+    mbarrier.expect(k_ready.index(s), tile_bytes)
+    tma.async_copy_global_to_shared(k_desc, [row + kb * BLOCK, col], k_ready.index(s), k_smem.index(s))
+    mbarrier.wait(v_empty.index(s), free_phase)
+    mbarrier.expect(v_ready.index(s), tile_bytes)
+    tma.async_copy_global_to_shared(v_desc, [row + kb * BLOCK, col], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               KvNum, KvIdx, T, H, n_blocks, max_blocks,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              HEAD_DIM: gl.constexpr, SLOTS: gl.constexpr, PER_STEP: gl.constexpr):
     bh, b, h, qb0, row0, c0, c1, has1 = _pair(KvNum, T, H, n_blocks)
     tile_bytes: gl.constexpr = BLOCK * HEAD_DIM * 2
     col = h * HEAD_DIM
@@ -66,36 +83,32 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
                                     pred=has1)
     idx0 = KvIdx + row0 * max_blocks
     idx1 = idx0 + max_blocks
-    for j in range(gl.maximum(c0, c1)):
-        s = j % STAGES
-        free_phase = ((j // STAGES) & 1) ^ 1          # a fresh barrier counts its phase "-1" as done
-        if j < c0:
-            kb = gl.load(idx0 + j)
-            mbarrier.wait(k_empty.index(s), free_phase)
-            mbarrier.expect(k_ready.index(s), tile_bytes)
-            tma.async_copy_global_to_shared(k_desc, [base + kb * BLOCK, col], k_ready.index(s), k_smem.index(s))
-            mbarrier.wait(v_empty.index(s), free_phase)
-            mbarrier.expect(v_ready.index(s), tile_bytes)
-            tma.async_copy_global_to_shared(v_desc, [base + kb * BLOCK, col], v_ready.index(s), v_smem.index(s))
-        if j < c1:
-            kb = gl.load(idx1 + j)
-            mbarrier.wait(k_empty.index(STAGES + s), free_phase)
-            mbarrier.expect(k_ready.index(STAGES + s), tile_bytes)
-            tma.async_copy_global_to_shared(k_desc, [base + kb * BLOCK, col], k_ready.index(STAGES + s),
-                                            k_smem.index(STAGES + s))
-            mbarrier.wait(v_empty.index(STAGES + s), free_phase)
-            mbarrier.expect(v_ready.index(STAGES + s), tile_bytes)
-            tma.async_copy_global_to_shared(v_desc, [base + kb * BLOCK, col], v_ready.index(STAGES + s),
-                                            v_smem.index(STAGES + s))
+    n0 = gl.cdiv(c0, PER_STEP) * PER_STEP              # blocks loaded, a step's padding included
+    n1 = gl.cdiv(c1, PER_STEP) * PER_STEP
+    for t in range(gl.maximum(n0, n1)):
+        if t < n0:
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, idx0, c0, t, base, col,
+                     0, SLOTS, tile_bytes)
+        if t < n1:
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, idx1, c1, t, base, col,
+                     SLOTS, SLOTS, tile_bytes)
+
+
+@gluon.jit
+def _mask(s, kb, live, T, s_layout: gl.constexpr):
+    """Key rows past T, and a whole padding block (``live`` false), to -inf."""
+    limit = gl.where(live, T, 0)
+    if kb * BLOCK + BLOCK > limit:
+        cols = kb * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where((cols < limit)[None, :], s, float("-inf"))
+    return s
 
 
 @gluon.jit
 def _softmax(s, m_i, l_i, kb, T, qk_scale, s_layout: gl.constexpr):
     """Fold one block of raw ``q . k`` into the running max and sum (base 2, scale in the FMA):
     ``(p, alpha, m, l)``; key rows past T are -inf."""
-    if kb * BLOCK + BLOCK > T:
-        cols = kb * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where((cols < T)[None, :], s, float("-inf"))
+    s = _mask(s, kb, kb >= 0, T, s_layout)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_ref)
@@ -105,38 +118,27 @@ def _softmax(s, m_i, l_i, kb, T, qk_scale, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-              Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
-              sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
-              C: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+def _softmax2(sa, sb, m_i, l_i, kba, kbb, live_b, T, qk_scale, s_layout: gl.constexpr):
+    """:func:`_softmax` over two blocks at once: ``(pa, pb, alpha, m, l)``."""
+    sa = _mask(sa, kba, kba >= 0, T, s_layout)
+    sb = _mask(sb, kbb, live_b, T, s_layout)
+    m_new = gl.maximum(m_i, gl.maximum(gl.max(sa, 1), gl.max(sb, 1)) * qk_scale)
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_ref)
+    pa = gl.exp2(sa * qk_scale - m_ref[:, None])
+    pb = gl.exp2(sb * qk_scale - m_ref[:, None])
+    l_new = l_i * alpha + gl.sum(pa, 1) + gl.sum(pb, 1)
+    return pa, pb, alpha, m_new, l_new
+
+
+@gluon.jit
+def _start(q, bh, plan_row, KeyMean, TailLse, TailValue, qk_scale,
+           HEAD_DIM: gl.constexpr, HAS_TAIL: gl.constexpr,
+           s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Online-softmax state before the first key block (kernel.start_state): ``(m, l, acc)``."""
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    bh, b, h, qb0, row0, c0, c1, has1 = _pair(KvNum, T, H, n_blocks)
-    if C == 0:
-        count = c0
-    else:
-        count = c1
-    n_turns = gl.maximum(c0, c1)
-    q_block = qb0 + C
-    plan_row = row0 + C
-    idx = KvIdx + plan_row * max_blocks
-    slot0: gl.constexpr = C * STAGES
-    q = q_smem.index(C)
-    dims = gl.arange(0, HEAD_DIM, layout=o_cols)
-
-    if C == 0:
-        live = qb0 >= 0
-    else:
-        live = has1
-    mbarrier.wait(q_bar.index(C), 0, pred=live)
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     if HAS_TAIL:
         # the per-row shift that stands in for centring the keys (see kernel.py), then the tail key
         qr = q.load(o_layout).to(gl.float32)
@@ -155,46 +157,15 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, layout=s_rows)
         l_i = gl.zeros([BLOCK], gl.float32, layout=s_rows)
         acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout)
+    return m_i, l_i, acc
 
-    if count > 0:
-        # step 0: S only
-        mbarrier.wait(k_ready.index(slot0), 0)
-        mbarrier.wait(turn.index(C), 0)
-        s_tok = warpgroup_mma(q, k_smem.index(slot0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.arrive(turn.index(1 - C))
-        s = warpgroup_mma_wait(0, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(slot0))
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, gl.load(idx), T, qk_scale, s_layout)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        for j in range(1, count):
-            st = slot0 + j % STAGES
-            pv = slot0 + (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
-            mbarrier.wait(v_ready.index(pv), ((j - 1) // STAGES) & 1)
-            mbarrier.wait(turn.index(C), j & 1)
-            s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            o_tok = warpgroup_mma(p_prev, v_smem.index(pv), acc, is_async=True)
-            mbarrier.arrive(turn.index(1 - C))
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))
-            mbarrier.arrive(k_empty.index(st))
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, gl.load(idx + j), T, qk_scale, s_layout)
-            acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
-            mbarrier.arrive(v_empty.index(pv))
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        last = slot0 + (count - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((count - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
-        acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
-        mbarrier.arrive(v_empty.index(last))
-    # the other consumer's remaining steps: pass the turn back each time
-    for j in range(count, n_turns):
-        mbarrier.wait(turn.index(C), j & 1)
-        mbarrier.arrive(turn.index(1 - C))
 
-    # epilogue (kernel.write_rows' arithmetic): normalise, add the coarse term, store
+@gluon.jit
+def _finish(acc, l_i, Out, Gate, Coarse, b, h, q_block, plan_row, live, T, H, sgb, sgt, sgh, sgd,
+            HEAD_DIM: gl.constexpr, HAS_COARSE: gl.constexpr, o_layout: gl.constexpr):
+    """Normalise, add the coarse term, store (kernel.write_rows' arithmetic)."""
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     l_o = gl.convert_layout(l_i, o_rows)
     fine = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
     out = fine.to(Out.dtype.element_ty)
@@ -211,28 +182,180 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 
 
 @gluon.jit
+def _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count, m_i, l_i, acc, T, qk_scale,
+           C: gl.constexpr, SLOTS: gl.constexpr, PINGPONG: gl.constexpr,
+           s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One key block per step; returns ``(m, l, acc)`` and the turns taken."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    slot0: gl.constexpr = C * SLOTS
+    s_zero = gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout)
+    # step 0: S only
+    mbarrier.wait(k_ready.index(slot0), 0)
+    mbarrier.wait(turn.index(C), 0, pred=PINGPONG)
+    s_tok = warpgroup_mma(q, k_smem.index(slot0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(slot0))
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, gl.load(idx), T, qk_scale, s_layout)
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    for j in range(1, count):
+        st = slot0 + j % SLOTS
+        pv = slot0 + (j - 1) % SLOTS
+        mbarrier.wait(k_ready.index(st), (j // SLOTS) & 1)
+        mbarrier.wait(v_ready.index(pv), ((j - 1) // SLOTS) & 1)
+        mbarrier.wait(turn.index(C), j & 1, pred=PINGPONG)
+        s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_prev, v_smem.index(pv), acc, is_async=True)
+        mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(st))
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, gl.load(idx + j), T, qk_scale, s_layout)
+        acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
+        mbarrier.arrive(v_empty.index(pv))
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    last = slot0 + (count - 1) % SLOTS
+    mbarrier.wait(v_ready.index(last), ((count - 1) // SLOTS) & 1)
+    o_tok = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
+    acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
+    mbarrier.arrive(v_empty.index(last))
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count, m_i, l_i, acc, T, qk_scale,
+           C: gl.constexpr, SLOTS: gl.constexpr, PINGPONG: gl.constexpr,
+           s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Two key blocks per step (a, b; b past the list is padding): fewer waits and turns per block."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    slot0: gl.constexpr = C * SLOTS
+    s_zero = gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout)
+    steps = gl.cdiv(count, 2)
+    # step 0: S only
+    sa_slot = slot0
+    sb_slot = slot0 + (1 % SLOTS)
+    mbarrier.wait(k_ready.index(sa_slot), 0)
+    mbarrier.wait(k_ready.index(sb_slot), (1 // SLOTS) & 1)
+    mbarrier.wait(turn.index(C), 0, pred=PINGPONG)
+    sa_tok = warpgroup_mma(q, k_smem.index(sa_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    sb_tok = warpgroup_mma(q, k_smem.index(sb_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
+    sa, sb = warpgroup_mma_wait(0, deps=(sa_tok, sb_tok))
+    mbarrier.arrive(k_empty.index(sa_slot))
+    mbarrier.arrive(k_empty.index(sb_slot))
+    kb_b = gl.load(idx + gl.minimum(1, count - 1))
+    pa, pb, alpha, m_i, l_i = _softmax2(sa, sb, m_i, l_i, gl.load(idx), kb_b, 1 < count, T, qk_scale, s_layout)
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    pa_prev = gl.convert_layout(pa.to(gl.bfloat16), p_layout)
+    pb_prev = gl.convert_layout(pb.to(gl.bfloat16), p_layout)
+    for j in range(1, steps):
+        t = 2 * j
+        sa_slot = slot0 + t % SLOTS
+        sb_slot = slot0 + (t + 1) % SLOTS
+        va_slot = slot0 + (t - 2) % SLOTS
+        vb_slot = slot0 + (t - 1) % SLOTS
+        mbarrier.wait(k_ready.index(sa_slot), (t // SLOTS) & 1)
+        mbarrier.wait(k_ready.index(sb_slot), ((t + 1) // SLOTS) & 1)
+        mbarrier.wait(v_ready.index(va_slot), ((t - 2) // SLOTS) & 1)
+        mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // SLOTS) & 1)
+        mbarrier.wait(turn.index(C), j & 1, pred=PINGPONG)
+        sa_tok = warpgroup_mma(q, k_smem.index(sa_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sb_tok = warpgroup_mma(q, k_smem.index(sb_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(pa_prev, v_smem.index(va_slot), acc, is_async=True)
+        o_tok = warpgroup_mma(pb_prev, v_smem.index(vb_slot), o_tok, is_async=True)
+        mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
+        sa, sb = warpgroup_mma_wait(2, deps=(sa_tok, sb_tok))
+        mbarrier.arrive(k_empty.index(sa_slot))
+        mbarrier.arrive(k_empty.index(sb_slot))
+        kb_b = gl.load(idx + gl.minimum(t + 1, count - 1))
+        pa, pb, alpha, m_i, l_i = _softmax2(sa, sb, m_i, l_i, gl.load(idx + t), kb_b, t + 1 < count, T, qk_scale,
+                                            s_layout)
+        acc, pa_done, pb_done = warpgroup_mma_wait(0, deps=(o_tok, pa_prev, pb_prev))
+        mbarrier.arrive(v_empty.index(va_slot))
+        mbarrier.arrive(v_empty.index(vb_slot))
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        pa_prev = gl.convert_layout(pa.to(gl.bfloat16), p_layout)
+        pb_prev = gl.convert_layout(pb.to(gl.bfloat16), p_layout)
+    t = 2 * steps
+    va_slot = slot0 + (t - 2) % SLOTS
+    vb_slot = slot0 + (t - 1) % SLOTS
+    mbarrier.wait(v_ready.index(va_slot), ((t - 2) // SLOTS) & 1)
+    mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // SLOTS) & 1)
+    o_tok = warpgroup_mma(pa_prev, v_smem.index(va_slot), acc, is_async=True)
+    o_tok = warpgroup_mma(pb_prev, v_smem.index(vb_slot), o_tok, is_async=True)
+    acc, pa_done, pb_done = warpgroup_mma_wait(0, deps=(o_tok, pa_prev, pb_prev))
+    mbarrier.arrive(v_empty.index(va_slot))
+    mbarrier.arrive(v_empty.index(vb_slot))
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+              Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
+              sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
+              C: gl.constexpr, HEAD_DIM: gl.constexpr, SLOTS: gl.constexpr, PER_STEP: gl.constexpr,
+              PINGPONG: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    bh, b, h, qb0, row0, c0, c1, has1 = _pair(KvNum, T, H, n_blocks)
+    if C == 0:
+        count = c0
+        live = qb0 >= 0
+    else:
+        count = c1
+        live = has1
+    n_turns = gl.cdiv(gl.maximum(c0, c1), PER_STEP)
+    q_block = qb0 + C
+    plan_row = gl.where(live, row0 + C, row0)          # a missing second block reads the first's row
+    idx = KvIdx + plan_row * max_blocks
+    q = q_smem.index(C)
+    mbarrier.wait(q_bar.index(C), 0, pred=live)
+    m_i, l_i, acc = _start(q, bh, plan_row, KeyMean, TailLse, TailValue, qk_scale, HEAD_DIM, HAS_TAIL,
+                           s_layout, o_layout)
+    if count > 0:
+        if PER_STEP == 1:
+            m_i, l_i, acc = _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count,
+                                   m_i, l_i, acc, T, qk_scale, C, SLOTS, PINGPONG, s_layout, o_layout)
+        else:
+            m_i, l_i, acc = _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count,
+                                   m_i, l_i, acc, T, qk_scale, C, SLOTS, PINGPONG, s_layout, o_layout)
+    if PINGPONG:
+        # the other consumer's remaining steps: pass the turn back each time
+        for j in range(gl.cdiv(count, PER_STEP), n_turns):
+            mbarrier.wait(turn.index(C), j & 1)
+            mbarrier.arrive(turn.index(1 - C))
+    _finish(acc, l_i, Out, Gate, Coarse, b, h, q_block, plan_row, live, T, H, sgb, sgt, sgh, sgd,
+            HEAD_DIM, HAS_COARSE, o_layout)
+
+
+@gluon.jit
 def pingpong_fwd(q_desc, k_desc, v_desc, Out, Gate,
                  KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
                  sgb, sgt, sgh, sgd,
                  T, H, n_blocks, max_blocks, qk_scale,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, SLOTS: gl.constexpr, PER_STEP: gl.constexpr, PINGPONG: gl.constexpr,
                  HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     layout: gl.constexpr = q_desc.layout
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK, HEAD_DIM], layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK, HEAD_DIM], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2 * SLOTS, BLOCK, HEAD_DIM], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2 * SLOTS, BLOCK, HEAD_DIM], layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], bar_layout)
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(2 * STAGES):
+    for i in gl.static_range(2 * SLOTS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -242,15 +365,15 @@ def pingpong_fwd(q_desc, k_desc, v_desc, Out, Gate,
 
     gl.warp_specialize([
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     KvNum, KvIdx, T, H, n_blocks, max_blocks, HEAD_DIM, STAGES)),
+                     KvNum, KvIdx, T, H, n_blocks, max_blocks, HEAD_DIM, SLOTS, PER_STEP)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                      Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
                      sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
-                     0, HEAD_DIM, STAGES, HAS_TAIL, HAS_COARSE)),
+                     0, HEAD_DIM, SLOTS, PER_STEP, PINGPONG, HAS_TAIL, HAS_COARSE)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                      Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
                      sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
-                     1, HEAD_DIM, STAGES, HAS_TAIL, HAS_COARSE)),
+                     1, HEAD_DIM, SLOTS, PER_STEP, PINGPONG, HAS_TAIL, HAS_COARSE)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -276,7 +399,8 @@ def supported(problem) -> list:
     return why
 
 
-def launch(problem, plan, stages: int = 2, consumer_regs: int = 232, out=None):
+def launch(problem, plan, slots: int = 2, per_step: int = 1, pingpong: bool = True, consumer_regs: int = 232,
+           out=None):
     """Run the experiment on ``problem`` with ``plan`` (the production kernel's operands)."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -296,6 +420,7 @@ def launch(problem, plan, stages: int = 2, consumer_regs: int = 232, out=None):
     grid = ((n + 1) // 2, B * H)
     pingpong_fwd[grid](*descs, out, ops.gate, ops.kv_num, ops.kv_idx, ops.key_mean, ops.tail_lse,
                        ops.tail_value, ops.coarse, *ops.gate.stride(), T, H, n, ops.kv_idx.shape[-1],
-                       problem.scale * LOG2E, HEAD_DIM=D, STAGES=stages, HAS_TAIL=ops.has_tail,
+                       problem.scale * LOG2E, HEAD_DIM=D, SLOTS=slots, PER_STEP=per_step,
+                       PINGPONG=pingpong, HAS_TAIL=ops.has_tail,
                        HAS_COARSE=ops.has_coarse, CONSUMER_REGS=consumer_regs, num_warps=4)
     return out
