@@ -53,7 +53,7 @@ def _pair(KvNum, T, H, n_blocks):
 
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, idx, count, t, row, col,
-             slot0: gl.constexpr, SLOTS: gl.constexpr, tile_bytes: gl.constexpr):
+             slot0: gl.constexpr, SLOTS: gl.constexpr, tile_bytes: gl.constexpr, LOAD_V: gl.constexpr):
     """Load the ``t``-th key and value block of one consumer's list into its ring (a ``t`` past the
     list, which pads a step of two blocks, loads the last listed block again: finite data that the
     consumer masks to -inf)."""
@@ -63,15 +63,16 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
     mbarrier.wait(k_empty.index(s), free_phase)
     mbarrier.expect(k_ready.index(s), tile_bytes)
     tma.async_copy_global_to_shared(k_desc, [row + kb * BLOCK, col], k_ready.index(s), k_smem.index(s))
-    mbarrier.wait(v_empty.index(s), free_phase)
-    mbarrier.expect(v_ready.index(s), tile_bytes)
-    tma.async_copy_global_to_shared(v_desc, [row + kb * BLOCK, col], v_ready.index(s), v_smem.index(s))
+    if LOAD_V:
+        mbarrier.wait(v_empty.index(s), free_phase)
+        mbarrier.expect(v_ready.index(s), tile_bytes)
+        tma.async_copy_global_to_shared(v_desc, [row + kb * BLOCK, col], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               KvNum, KvIdx, T, H, n_blocks, max_blocks,
-              HEAD_DIM: gl.constexpr, SLOTS: gl.constexpr, PER_STEP: gl.constexpr):
+              HEAD_DIM: gl.constexpr, SLOTS: gl.constexpr, PER_STEP: gl.constexpr, LOAD_V: gl.constexpr):
     bh, b, h, qb0, row0, c0, c1, has1 = _pair(KvNum, T, H, n_blocks)
     tile_bytes: gl.constexpr = BLOCK * HEAD_DIM * 2
     col = h * HEAD_DIM
@@ -88,10 +89,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
     for t in range(gl.maximum(n0, n1)):
         if t < n0:
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, idx0, c0, t, base, col,
-                     0, SLOTS, tile_bytes)
+                     0, SLOTS, tile_bytes, LOAD_V)
         if t < n1:
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, idx1, c1, t, base, col,
-                     SLOTS, SLOTS, tile_bytes)
+                     SLOTS, SLOTS, tile_bytes, LOAD_V)
 
 
 @gluon.jit
@@ -183,7 +184,7 @@ def _finish(acc, l_i, Out, Gate, Coarse, b, h, q_block, plan_row, live, T, H, sg
 
 @gluon.jit
 def _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count, m_i, l_i, acc, T, qk_scale,
-           C: gl.constexpr, SLOTS: gl.constexpr, PINGPONG: gl.constexpr,
+           C: gl.constexpr, SLOTS: gl.constexpr, PINGPONG: gl.constexpr, LOAD_V: gl.constexpr,
            s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key block per step; returns ``(m, l, acc)`` and the turns taken."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -204,7 +205,7 @@ def _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, cou
         st = slot0 + j % SLOTS
         pv = slot0 + (j - 1) % SLOTS
         mbarrier.wait(k_ready.index(st), (j // SLOTS) & 1)
-        mbarrier.wait(v_ready.index(pv), ((j - 1) // SLOTS) & 1)
+        mbarrier.wait(v_ready.index(pv), ((j - 1) // SLOTS) & 1, pred=LOAD_V)
         mbarrier.wait(turn.index(C), j & 1, pred=PINGPONG)
         s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p_prev, v_smem.index(pv), acc, is_async=True)
@@ -217,7 +218,7 @@ def _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, cou
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     last = slot0 + (count - 1) % SLOTS
-    mbarrier.wait(v_ready.index(last), ((count - 1) // SLOTS) & 1)
+    mbarrier.wait(v_ready.index(last), ((count - 1) // SLOTS) & 1, pred=LOAD_V)
     o_tok = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
     acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
     mbarrier.arrive(v_empty.index(last))
@@ -226,7 +227,7 @@ def _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, cou
 
 @gluon.jit
 def _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count, m_i, l_i, acc, T, qk_scale,
-           C: gl.constexpr, SLOTS: gl.constexpr, PINGPONG: gl.constexpr,
+           C: gl.constexpr, SLOTS: gl.constexpr, PINGPONG: gl.constexpr, LOAD_V: gl.constexpr,
            s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Two key blocks per step (a, b; b past the list is padding): fewer waits and turns per block."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -259,8 +260,8 @@ def _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, cou
         vb_slot = slot0 + (t - 1) % SLOTS
         mbarrier.wait(k_ready.index(sa_slot), (t // SLOTS) & 1)
         mbarrier.wait(k_ready.index(sb_slot), ((t + 1) // SLOTS) & 1)
-        mbarrier.wait(v_ready.index(va_slot), ((t - 2) // SLOTS) & 1)
-        mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // SLOTS) & 1)
+        mbarrier.wait(v_ready.index(va_slot), ((t - 2) // SLOTS) & 1, pred=LOAD_V)
+        mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // SLOTS) & 1, pred=LOAD_V)
         mbarrier.wait(turn.index(C), j & 1, pred=PINGPONG)
         sa_tok = warpgroup_mma(q, k_smem.index(sa_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sb_tok = warpgroup_mma(q, k_smem.index(sb_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -282,8 +283,8 @@ def _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, cou
     t = 2 * steps
     va_slot = slot0 + (t - 2) % SLOTS
     vb_slot = slot0 + (t - 1) % SLOTS
-    mbarrier.wait(v_ready.index(va_slot), ((t - 2) // SLOTS) & 1)
-    mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // SLOTS) & 1)
+    mbarrier.wait(v_ready.index(va_slot), ((t - 2) // SLOTS) & 1, pred=LOAD_V)
+    mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // SLOTS) & 1, pred=LOAD_V)
     o_tok = warpgroup_mma(pa_prev, v_smem.index(va_slot), acc, is_async=True)
     o_tok = warpgroup_mma(pb_prev, v_smem.index(vb_slot), o_tok, is_async=True)
     acc, pa_done, pb_done = warpgroup_mma_wait(0, deps=(o_tok, pa_prev, pb_prev))
@@ -297,7 +298,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
               sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
               C: gl.constexpr, HEAD_DIM: gl.constexpr, SLOTS: gl.constexpr, PER_STEP: gl.constexpr,
-              PINGPONG: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr):
+              PINGPONG: gl.constexpr, LOAD_V: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -320,10 +321,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     if count > 0:
         if PER_STEP == 1:
             m_i, l_i, acc = _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count,
-                                   m_i, l_i, acc, T, qk_scale, C, SLOTS, PINGPONG, s_layout, o_layout)
+                                   m_i, l_i, acc, T, qk_scale, C, SLOTS, PINGPONG, LOAD_V, s_layout, o_layout)
         else:
             m_i, l_i, acc = _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count,
-                                   m_i, l_i, acc, T, qk_scale, C, SLOTS, PINGPONG, s_layout, o_layout)
+                                   m_i, l_i, acc, T, qk_scale, C, SLOTS, PINGPONG, LOAD_V, s_layout, o_layout)
     if PINGPONG:
         # the other consumer's remaining steps: pass the turn back each time
         for j in range(gl.cdiv(count, PER_STEP), n_turns):
@@ -339,7 +340,7 @@ def pingpong_fwd(q_desc, k_desc, v_desc, Out, Gate,
                  sgb, sgt, sgh, sgd,
                  T, H, n_blocks, max_blocks, qk_scale,
                  HEAD_DIM: gl.constexpr, SLOTS: gl.constexpr, PER_STEP: gl.constexpr, PINGPONG: gl.constexpr,
-                 HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                 LOAD_V: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     layout: gl.constexpr = q_desc.layout
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
@@ -365,15 +366,15 @@ def pingpong_fwd(q_desc, k_desc, v_desc, Out, Gate,
 
     gl.warp_specialize([
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     KvNum, KvIdx, T, H, n_blocks, max_blocks, HEAD_DIM, SLOTS, PER_STEP)),
+                     KvNum, KvIdx, T, H, n_blocks, max_blocks, HEAD_DIM, SLOTS, PER_STEP, LOAD_V)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                      Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
                      sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
-                     0, HEAD_DIM, SLOTS, PER_STEP, PINGPONG, HAS_TAIL, HAS_COARSE)),
+                     0, HEAD_DIM, SLOTS, PER_STEP, PINGPONG, LOAD_V, HAS_TAIL, HAS_COARSE)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                      Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
                      sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
-                     1, HEAD_DIM, SLOTS, PER_STEP, PINGPONG, HAS_TAIL, HAS_COARSE)),
+                     1, HEAD_DIM, SLOTS, PER_STEP, PINGPONG, LOAD_V, HAS_TAIL, HAS_COARSE)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -400,8 +401,12 @@ def supported(problem) -> list:
 
 
 def launch(problem, plan, slots: int = 2, per_step: int = 1, pingpong: bool = True, consumer_regs: int = 232,
-           out=None):
-    """Run the experiment on ``problem`` with ``plan`` (the production kernel's operands)."""
+           out=None, load_v: bool = True):
+    """Run the experiment on ``problem`` with ``plan`` (the production kernel's operands).
+
+    ``load_v=False`` is a diagnostic: values are never loaded (the products read whatever the
+    value slots hold, so the output is meaningless), which halves the bytes each block pair moves
+    while the arithmetic stays the same; its time says how much the bytes cost."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -421,6 +426,6 @@ def launch(problem, plan, slots: int = 2, per_step: int = 1, pingpong: bool = Tr
     pingpong_fwd[grid](*descs, out, ops.gate, ops.kv_num, ops.kv_idx, ops.key_mean, ops.tail_lse,
                        ops.tail_value, ops.coarse, *ops.gate.stride(), T, H, n, ops.kv_idx.shape[-1],
                        problem.scale * LOG2E, HEAD_DIM=D, SLOTS=slots, PER_STEP=per_step,
-                       PINGPONG=pingpong, HAS_TAIL=ops.has_tail,
+                       PINGPONG=pingpong, LOAD_V=load_v, HAS_TAIL=ops.has_tail,
                        HAS_COARSE=ops.has_coarse, CONSUMER_REGS=consumer_regs, num_warps=4)
     return out
