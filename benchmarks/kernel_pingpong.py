@@ -6,7 +6,7 @@ each other. This kernel gives one program (CTA) two 64-row query blocks of one (
 three partitions:
 
 - a producer (the default partition, 4 warps, few registers) that issues every TMA load: both query
-  blocks, then the listed key and value blocks of both, interleaved, into a ring of ``SLOTS`` slots
+  blocks, then the listed key and value blocks of both, interleaved, into rings of ``K_SLOTS`` and ``V_SLOTS`` slots
   per query block, each slot with a ready and an empty barrier;
 - two consumer warpgroups, one per query block, each walking its own ``kv_indices`` list with an
   online softmax, in ping-pong: a consumer issues its step's GEMMs (``S_j = Q K_j^T`` and
@@ -24,6 +24,8 @@ reach a stored output.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -52,27 +54,27 @@ def _pair(KvNum, T, H, n_blocks):
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, idx, count, t, row, col,
-             slot0: gl.constexpr, SLOTS: gl.constexpr, tile_bytes: gl.constexpr, LOAD_V: gl.constexpr):
-    """Load the ``t``-th key and value block of one consumer's list into its ring (a ``t`` past the
-    list, which pads a step of two blocks, loads the last listed block again: finite data that the
-    consumer masks to -inf)."""
+def _load_tile(desc, smem, ready, empty, idx, count, t, row, col,
+               slot0: gl.constexpr, SLOTS: gl.constexpr, tile_bytes: gl.constexpr):
+    """Load the ``t``-th listed block of one consumer (keys or values) into its ring of ``SLOTS``
+    slots (a ``t`` past the list, which pads a step of two blocks, loads the last listed block
+    again: finite data that the consumer masks to -inf)."""
     s = slot0 + t % SLOTS
     free_phase = ((t // SLOTS) & 1) ^ 1          # a fresh barrier counts its phase "-1" as done
     kb = gl.load(idx + gl.minimum(t, count - 1))
-    mbarrier.wait(k_empty.index(s), free_phase)
-    mbarrier.expect(k_ready.index(s), tile_bytes)
-    tma.async_copy_global_to_shared(k_desc, [row + kb * BLOCK, col], k_ready.index(s), k_smem.index(s))
-    if LOAD_V:
-        mbarrier.wait(v_empty.index(s), free_phase)
-        mbarrier.expect(v_ready.index(s), tile_bytes)
-        tma.async_copy_global_to_shared(v_desc, [row + kb * BLOCK, col], v_ready.index(s), v_smem.index(s))
+    mbarrier.wait(empty.index(s), free_phase)
+    mbarrier.expect(ready.index(s), tile_bytes)
+    tma.async_copy_global_to_shared(desc, [row + kb * BLOCK, col], ready.index(s), smem.index(s))
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               KvNum, KvIdx, T, H, n_blocks, max_blocks,
-              HEAD_DIM: gl.constexpr, SLOTS: gl.constexpr, PER_STEP: gl.constexpr, LOAD_V: gl.constexpr):
+              HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr, PER_STEP: gl.constexpr,
+              LOAD_V: gl.constexpr):
+    """Per step: both consumers' key blocks, then both consumers' value blocks, the order in which
+    the consumers free their slots (keys after a step's scores, values after its products), so
+    the producer never waits on one slot while another it could fill is free."""
     bh, b, h, qb0, row0, c0, c1, has1 = _pair(KvNum, T, H, n_blocks)
     tile_bytes: gl.constexpr = BLOCK * HEAD_DIM * 2
     col = h * HEAD_DIM
@@ -84,15 +86,26 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
                                     pred=has1)
     idx0 = KvIdx + row0 * max_blocks
     idx1 = idx0 + max_blocks
-    n0 = gl.cdiv(c0, PER_STEP) * PER_STEP              # blocks loaded, a step's padding included
-    n1 = gl.cdiv(c1, PER_STEP) * PER_STEP
-    for t in range(gl.maximum(n0, n1)):
-        if t < n0:
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, idx0, c0, t, base, col,
-                     0, SLOTS, tile_bytes, LOAD_V)
-        if t < n1:
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, idx1, c1, t, base, col,
-                     SLOTS, SLOTS, tile_bytes, LOAD_V)
+    steps0 = gl.cdiv(c0, PER_STEP)
+    steps1 = gl.cdiv(c1, PER_STEP)
+    for j in range(gl.maximum(steps0, steps1)):
+        if j < steps0:
+            for i in gl.static_range(PER_STEP):
+                _load_tile(k_desc, k_smem, k_ready, k_empty, idx0, c0, j * PER_STEP + i, base, col,
+                           0, K_SLOTS, tile_bytes)
+        if j < steps1:
+            for i in gl.static_range(PER_STEP):
+                _load_tile(k_desc, k_smem, k_ready, k_empty, idx1, c1, j * PER_STEP + i, base, col,
+                           K_SLOTS, K_SLOTS, tile_bytes)
+        if LOAD_V:
+            if j < steps0:
+                for i in gl.static_range(PER_STEP):
+                    _load_tile(v_desc, v_smem, v_ready, v_empty, idx0, c0, j * PER_STEP + i, base, col,
+                               0, V_SLOTS, tile_bytes)
+            if j < steps1:
+                for i in gl.static_range(PER_STEP):
+                    _load_tile(v_desc, v_smem, v_ready, v_empty, idx1, c1, j * PER_STEP + i, base, col,
+                               V_SLOTS, V_SLOTS, tile_bytes)
 
 
 @gluon.jit
@@ -184,41 +197,43 @@ def _finish(acc, l_i, Out, Gate, Coarse, b, h, q_block, plan_row, live, T, H, sg
 
 @gluon.jit
 def _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count, m_i, l_i, acc, T, qk_scale,
-           C: gl.constexpr, SLOTS: gl.constexpr, PINGPONG: gl.constexpr, LOAD_V: gl.constexpr,
+           C: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, LOAD_V: gl.constexpr,
            s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key block per step; returns ``(m, l, acc)`` and the turns taken."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    slot0: gl.constexpr = C * SLOTS
+    k0: gl.constexpr = C * K_SLOTS
+    v0: gl.constexpr = C * V_SLOTS
     s_zero = gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout)
     # step 0: S only
-    mbarrier.wait(k_ready.index(slot0), 0)
+    mbarrier.wait(k_ready.index(k0), 0)
     mbarrier.wait(turn.index(C), 0, pred=PINGPONG)
-    s_tok = warpgroup_mma(q, k_smem.index(slot0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(q, k_smem.index(k0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(slot0))
+    mbarrier.arrive(k_empty.index(k0))
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, gl.load(idx), T, qk_scale, s_layout)
     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     for j in range(1, count):
-        st = slot0 + j % SLOTS
-        pv = slot0 + (j - 1) % SLOTS
-        mbarrier.wait(k_ready.index(st), (j // SLOTS) & 1)
-        mbarrier.wait(v_ready.index(pv), ((j - 1) // SLOTS) & 1, pred=LOAD_V)
+        kb = gl.load(idx + j)                       # asked for before the waits: off the softmax's path
+        st = k0 + j % K_SLOTS
+        pv = v0 + (j - 1) % V_SLOTS
+        mbarrier.wait(k_ready.index(st), (j // K_SLOTS) & 1)
+        mbarrier.wait(v_ready.index(pv), ((j - 1) // V_SLOTS) & 1, pred=LOAD_V)
         mbarrier.wait(turn.index(C), j & 1, pred=PINGPONG)
         s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p_prev, v_smem.index(pv), acc, is_async=True)
         mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(st))
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, gl.load(idx + j), T, qk_scale, s_layout)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, kb, T, qk_scale, s_layout)
         acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
         mbarrier.arrive(v_empty.index(pv))
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    last = slot0 + (count - 1) % SLOTS
-    mbarrier.wait(v_ready.index(last), ((count - 1) // SLOTS) & 1, pred=LOAD_V)
+    last = v0 + (count - 1) % V_SLOTS
+    mbarrier.wait(v_ready.index(last), ((count - 1) // V_SLOTS) & 1, pred=LOAD_V)
     o_tok = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
     acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
     mbarrier.arrive(v_empty.index(last))
@@ -227,19 +242,20 @@ def _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, cou
 
 @gluon.jit
 def _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count, m_i, l_i, acc, T, qk_scale,
-           C: gl.constexpr, SLOTS: gl.constexpr, PINGPONG: gl.constexpr, LOAD_V: gl.constexpr,
+           C: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, LOAD_V: gl.constexpr,
            s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Two key blocks per step (a, b; b past the list is padding): fewer waits and turns per block."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    slot0: gl.constexpr = C * SLOTS
+    k0: gl.constexpr = C * K_SLOTS
+    v0: gl.constexpr = C * V_SLOTS
     s_zero = gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout)
     steps = gl.cdiv(count, 2)
     # step 0: S only
-    sa_slot = slot0
-    sb_slot = slot0 + (1 % SLOTS)
+    sa_slot = k0
+    sb_slot = k0 + (1 % K_SLOTS)
     mbarrier.wait(k_ready.index(sa_slot), 0)
-    mbarrier.wait(k_ready.index(sb_slot), (1 // SLOTS) & 1)
+    mbarrier.wait(k_ready.index(sb_slot), (1 // K_SLOTS) & 1)
     mbarrier.wait(turn.index(C), 0, pred=PINGPONG)
     sa_tok = warpgroup_mma(q, k_smem.index(sa_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     sb_tok = warpgroup_mma(q, k_smem.index(sb_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -254,14 +270,16 @@ def _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, cou
     pb_prev = gl.convert_layout(pb.to(gl.bfloat16), p_layout)
     for j in range(1, steps):
         t = 2 * j
-        sa_slot = slot0 + t % SLOTS
-        sb_slot = slot0 + (t + 1) % SLOTS
-        va_slot = slot0 + (t - 2) % SLOTS
-        vb_slot = slot0 + (t - 1) % SLOTS
-        mbarrier.wait(k_ready.index(sa_slot), (t // SLOTS) & 1)
-        mbarrier.wait(k_ready.index(sb_slot), ((t + 1) // SLOTS) & 1)
-        mbarrier.wait(v_ready.index(va_slot), ((t - 2) // SLOTS) & 1, pred=LOAD_V)
-        mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // SLOTS) & 1, pred=LOAD_V)
+        kb_a = gl.load(idx + t)                     # asked for before the waits: off the softmax's path
+        kb_b = gl.load(idx + gl.minimum(t + 1, count - 1))
+        sa_slot = k0 + t % K_SLOTS
+        sb_slot = k0 + (t + 1) % K_SLOTS
+        va_slot = v0 + (t - 2) % V_SLOTS
+        vb_slot = v0 + (t - 1) % V_SLOTS
+        mbarrier.wait(k_ready.index(sa_slot), (t // K_SLOTS) & 1)
+        mbarrier.wait(k_ready.index(sb_slot), ((t + 1) // K_SLOTS) & 1)
+        mbarrier.wait(v_ready.index(va_slot), ((t - 2) // V_SLOTS) & 1, pred=LOAD_V)
+        mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // V_SLOTS) & 1, pred=LOAD_V)
         mbarrier.wait(turn.index(C), j & 1, pred=PINGPONG)
         sa_tok = warpgroup_mma(q, k_smem.index(sa_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sb_tok = warpgroup_mma(q, k_smem.index(sb_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -271,9 +289,7 @@ def _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, cou
         sa, sb = warpgroup_mma_wait(2, deps=(sa_tok, sb_tok))
         mbarrier.arrive(k_empty.index(sa_slot))
         mbarrier.arrive(k_empty.index(sb_slot))
-        kb_b = gl.load(idx + gl.minimum(t + 1, count - 1))
-        pa, pb, alpha, m_i, l_i = _softmax2(sa, sb, m_i, l_i, gl.load(idx + t), kb_b, t + 1 < count, T, qk_scale,
-                                            s_layout)
+        pa, pb, alpha, m_i, l_i = _softmax2(sa, sb, m_i, l_i, kb_a, kb_b, t + 1 < count, T, qk_scale, s_layout)
         acc, pa_done, pb_done = warpgroup_mma_wait(0, deps=(o_tok, pa_prev, pb_prev))
         mbarrier.arrive(v_empty.index(va_slot))
         mbarrier.arrive(v_empty.index(vb_slot))
@@ -281,10 +297,10 @@ def _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, cou
         pa_prev = gl.convert_layout(pa.to(gl.bfloat16), p_layout)
         pb_prev = gl.convert_layout(pb.to(gl.bfloat16), p_layout)
     t = 2 * steps
-    va_slot = slot0 + (t - 2) % SLOTS
-    vb_slot = slot0 + (t - 1) % SLOTS
-    mbarrier.wait(v_ready.index(va_slot), ((t - 2) // SLOTS) & 1, pred=LOAD_V)
-    mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // SLOTS) & 1, pred=LOAD_V)
+    va_slot = v0 + (t - 2) % V_SLOTS
+    vb_slot = v0 + (t - 1) % V_SLOTS
+    mbarrier.wait(v_ready.index(va_slot), ((t - 2) // V_SLOTS) & 1, pred=LOAD_V)
+    mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // V_SLOTS) & 1, pred=LOAD_V)
     o_tok = warpgroup_mma(pa_prev, v_smem.index(va_slot), acc, is_async=True)
     o_tok = warpgroup_mma(pb_prev, v_smem.index(vb_slot), o_tok, is_async=True)
     acc, pa_done, pb_done = warpgroup_mma_wait(0, deps=(o_tok, pa_prev, pb_prev))
@@ -297,7 +313,8 @@ def _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, cou
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
               Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
               sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
-              C: gl.constexpr, HEAD_DIM: gl.constexpr, SLOTS: gl.constexpr, PER_STEP: gl.constexpr,
+              C: gl.constexpr, HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr,
+              PER_STEP: gl.constexpr,
               PINGPONG: gl.constexpr, LOAD_V: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK, 16])
@@ -321,10 +338,12 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     if count > 0:
         if PER_STEP == 1:
             m_i, l_i, acc = _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count,
-                                   m_i, l_i, acc, T, qk_scale, C, SLOTS, PINGPONG, LOAD_V, s_layout, o_layout)
+                                   m_i, l_i, acc, T, qk_scale, C, K_SLOTS, V_SLOTS, PINGPONG, LOAD_V, s_layout,
+                                   o_layout)
         else:
             m_i, l_i, acc = _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count,
-                                   m_i, l_i, acc, T, qk_scale, C, SLOTS, PINGPONG, LOAD_V, s_layout, o_layout)
+                                   m_i, l_i, acc, T, qk_scale, C, K_SLOTS, V_SLOTS, PINGPONG, LOAD_V, s_layout,
+                                   o_layout)
     if PINGPONG:
         # the other consumer's remaining steps: pass the turn back each time
         for j in range(gl.cdiv(count, PER_STEP), n_turns):
@@ -339,26 +358,28 @@ def pingpong_fwd(q_desc, k_desc, v_desc, Out, Gate,
                  KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
                  sgb, sgt, sgh, sgd,
                  T, H, n_blocks, max_blocks, qk_scale,
-                 HEAD_DIM: gl.constexpr, SLOTS: gl.constexpr, PER_STEP: gl.constexpr, PINGPONG: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr, PER_STEP: gl.constexpr,
+                 PINGPONG: gl.constexpr,
                  LOAD_V: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     layout: gl.constexpr = q_desc.layout
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2 * SLOTS, BLOCK, HEAD_DIM], layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2 * SLOTS, BLOCK, HEAD_DIM], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2 * K_SLOTS, BLOCK, HEAD_DIM], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2 * V_SLOTS, BLOCK, HEAD_DIM], layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [2 * K_SLOTS, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [2 * K_SLOTS, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [2 * V_SLOTS, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [2 * V_SLOTS, 1], bar_layout)
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(2 * SLOTS):
+    for i in gl.static_range(2 * K_SLOTS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=1)
+    for i in gl.static_range(2 * V_SLOTS):
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=1)
     fence_async_shared()
@@ -366,15 +387,15 @@ def pingpong_fwd(q_desc, k_desc, v_desc, Out, Gate,
 
     gl.warp_specialize([
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     KvNum, KvIdx, T, H, n_blocks, max_blocks, HEAD_DIM, SLOTS, PER_STEP, LOAD_V)),
+                     KvNum, KvIdx, T, H, n_blocks, max_blocks, HEAD_DIM, K_SLOTS, V_SLOTS, PER_STEP, LOAD_V)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                      Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
                      sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
-                     0, HEAD_DIM, SLOTS, PER_STEP, PINGPONG, LOAD_V, HAS_TAIL, HAS_COARSE)),
+                     0, HEAD_DIM, K_SLOTS, V_SLOTS, PER_STEP, PINGPONG, LOAD_V, HAS_TAIL, HAS_COARSE)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                      Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
                      sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
-                     1, HEAD_DIM, SLOTS, PER_STEP, PINGPONG, LOAD_V, HAS_TAIL, HAS_COARSE)),
+                     1, HEAD_DIM, K_SLOTS, V_SLOTS, PER_STEP, PINGPONG, LOAD_V, HAS_TAIL, HAS_COARSE)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -400,7 +421,7 @@ def supported(problem) -> list:
     return why
 
 
-def launch(problem, plan, slots: int = 2, per_step: int = 1, pingpong: bool = True, consumer_regs: int = 232,
+def launch(problem, plan, slots: int = 2, v_slots: Optional[int] = None, per_step: int = 1, pingpong: bool = True, consumer_regs: int = 232,
            out=None, load_v: bool = True):
     """Run the experiment on ``problem`` with ``plan`` (the production kernel's operands).
 
@@ -425,7 +446,8 @@ def launch(problem, plan, slots: int = 2, per_step: int = 1, pingpong: bool = Tr
     grid = ((n + 1) // 2, B * H)
     pingpong_fwd[grid](*descs, out, ops.gate, ops.kv_num, ops.kv_idx, ops.key_mean, ops.tail_lse,
                        ops.tail_value, ops.coarse, *ops.gate.stride(), T, H, n, ops.kv_idx.shape[-1],
-                       problem.scale * LOG2E, HEAD_DIM=D, SLOTS=slots, PER_STEP=per_step,
+                       problem.scale * LOG2E, HEAD_DIM=D, K_SLOTS=slots,
+                       V_SLOTS=slots if v_slots is None else v_slots, PER_STEP=per_step,
                        PINGPONG=pingpong, LOAD_V=load_v, HAS_TAIL=ops.has_tail,
                        HAS_COARSE=ops.has_coarse, CONSUMER_REGS=consumer_regs, num_warps=4)
     return out
