@@ -1,26 +1,36 @@
 """Experiment: the Sol-Attn forward as a warp-specialised Gluon kernel (sm_90), FA3's ping-pong.
 
 Session 15 left the production kernel (``solattn/backends/triton/kernel.py``) at two programs per
-SM with the tensor pipe 60 % busy and nothing saturated: the two programs fall into step and wait on
-each other. This kernel gives one program (CTA) two 64-row query blocks of one (batch, head) and
-three partitions:
+SM with the tensor pipe 60 % busy and nothing saturated. The hypothesis: the two programs fall into
+step, so the tensor cores wait while both are in their softmax. This kernel gives one program (CTA)
+two 64-row query blocks of one (batch, head) and three partitions:
 
-- a producer (the default partition, 4 warps, few registers) that issues every TMA load: both query
-  blocks, then the listed key and value blocks of both, interleaved, into rings of ``K_SLOTS`` and ``V_SLOTS`` slots
-  per query block, each slot with a ready and an empty barrier;
-- two consumer warpgroups, one per query block, each walking its own ``kv_indices`` list with an
-  online softmax, in ping-pong: a consumer issues its step's GEMMs (``S_j = Q K_j^T`` and
-  ``O += P_{j-1} V_{j-1}``, both asynchronous) only when the other has issued its own (a turn
-  barrier each), so one warpgroup's exponentials run while the other's GEMMs do. A consumer whose
-  list is shorter passes its turns until the other is done.
+- a producer (the default partition, 4 warps, 40 registers) that issues every TMA load: both query
+  blocks, then per step both consumers' key blocks and then both consumers' value blocks (the
+  order in which the consumers free their slots), into per-consumer rings of ``K_SLOTS`` key and
+  ``V_SLOTS`` value slots, each slot with a ready and an empty barrier;
+- two consumer warpgroups (232 registers each), one per query block, each walking its own
+  ``kv_indices`` list with an online softmax. With ``PINGPONG`` they take turns: a consumer issues
+  its step's products (``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}``, both asynchronous) only
+  after the other has issued its own (a turn barrier each), so one warpgroup's exponentials run
+  while the other's products do; a consumer whose list is shorter passes its turns until the other
+  is done. ``PER_STEP`` is 1 or 2 key blocks per step (a step of two past the list's end loads the
+  last block again and masks it to -inf). ``LOAD_V=False`` is a diagnostic that never loads the
+  values (meaningless output, half the bytes, the same arithmetic).
+
+Outcome on an H200 (``benchmarks/results/h200/session16``): the output is bit-identical to the
+production kernel's with one block per step, and every variant ran slower than it, at 0.57-0.98x
+(the best: one block per step without turns, 0.92-0.98x, and two blocks per step with 2 key and 4
+value slots in ping-pong, 0.94-0.96x); skipping the value loads bought 2.9-4.8 %. Neither the softmax/product overlap nor the bytes is what limits the
+kernel, so it stays a benchmark, not a backend.
 
 Scope (what it was built to measure): no ``key_bias`` (the scale is folded into the softmax's FMA),
 no ``block_len``, contiguous ``(B, T, H, D)`` q, k, v (two-dimensional ``(B*T, H*D)`` TMA
-descriptors), forward only; tail and coarse branch as the production kernel computes them. Key rows
-of a block cut by T are masked; the rows TMA reads past T (the next batch's tokens, or zeros) never
-reach a stored output.
+descriptors), forward only, bf16; tail and coarse branch as the production kernel computes them.
+Key rows of a block cut by T are masked; the rows TMA reads past T (the next batch's tokens, or
+zeros) never reach a stored output. Written against Triton 3.6's Gluon (the GPU host's version).
 
-    python benchmarks/kernel_pingpong.py      # on an sm_90 GPU with Triton 3.6: check and time at H3
+    python benchmarks/diag/pingpong_h3.py check h3   # on an sm_90 GPU: check, then time at H3
 """
 
 from __future__ import annotations

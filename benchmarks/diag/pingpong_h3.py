@@ -48,7 +48,7 @@ CHECKED = ("ping-pong, 1 block/step, 2+2 slots", "ping-pong, 2 blocks/step, 2+4 
            "no turns, 2 blocks/step, 2+4 slots", "ping-pong, 2 blocks/step, 3+3 slots")
 #: what ``h3`` times. Earlier runs: 2 blocks per step with one 3-slot ring for keys and values and a
 #: producer that waited for each consumer's value slot before the other consumer's keys, 0.57-0.62x
-#: (529035a); skipping the value loads (half the bytes), 1.5-4.6 % faster (6afb789).
+#: (529035a); skipping the value loads (half the bytes), 2.9-4.8 % faster (6afb789).
 TIMED = dict(VARIANTS)
 
 
