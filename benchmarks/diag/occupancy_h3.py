@@ -14,7 +14,6 @@ spills and shared memory.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import solattn  # noqa: E402
-from plan_h3_fused import MODES, paired_rounds  # noqa: E402
+from plan_h3_fused import MODES, compare_kernels  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.backends.triton import kernel as tk  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
-from solattn.testing import make_qkv, rel_l2  # noqa: E402
+from solattn.testing import make_qkv  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
 dev = torch.device("cuda")
@@ -63,27 +62,13 @@ def main():
             plan = build_plan(problem)
             flop = 4 * int(plan.kv_num_blocks.long().sum()) * 64 * 64 * problem.D
             ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw)
-            base = tb.launch(problem, plan).float()
-            fns, errs = {}, {}
+            fns = {}
             for name, (stages, opts) in SETTINGS.items():
                 def fn(stages=stages, opts=opts):
                     return tb.run_kernel(tk.sol_attn_fwd, problem, plan, config(stages), constexprs=opts)
-                try:
-                    out = fn().float()
-                    errs[name] = (rel_l2(out, ref), rel_l2(out, base))
-                    fns[name] = fn
-                except Exception as exc:  # noqa: BLE001 - report and go on
-                    print(f"{label} {name}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                fns[name] = fn
+            compare_kernels(f"H3 {label}", fns, ref, "production (3 stages)", flop)
             del ref
-            t = paired_rounds(fns, rounds=10, warm=2)
-        base_t = statistics.median(t["production (3 stages)"])
-        print(f"\n## H3 {label}: {flop / 1e12:.2f} TFLOP on kept blocks (10 rounds, kernel only)")
-        print("| setting | ms | TFLOP/s | speed-up | err vs fp32 | diff vs production |")
-        print("|---|---|---|---|---|---|")
-        for name in fns:
-            ms = statistics.median(t[name])
-            print(f"| {name} | {ms:.3f} | {flop / ms / 1e9:.0f} | {base_t / ms:.3f} | {errs[name][0]:.3e} | "
-                  f"{errs[name][1]:.1e} |", flush=True)
     print("\ncompiled variants:\n" + "\n".join(compiled_stats()))
 
 

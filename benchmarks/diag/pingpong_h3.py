@@ -15,7 +15,6 @@ diagnostics that skip the value loads have no meaningful error).
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_pingpong as kp  # noqa: E402
 import solattn  # noqa: E402
-from plan_h3_fused import MODES, paired_rounds  # noqa: E402
+from plan_h3_fused import MODES, compare_kernels  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
 from solattn.testing import make_qkv, rel_l2  # noqa: E402
@@ -109,28 +108,13 @@ def h3():
             fns = {"production (3-stage TMA)": lambda: tb.run_kernel(_prod_kernel(), problem, plan, PROD)}
             for name, opts in TIMED.items():
                 fns[name] = lambda opts=opts: kp.launch(problem, plan, **opts)
-            errs = {}
-            base = fns["production (3-stage TMA)"]().float()
-            for name in list(fns):
-                try:
-                    out = fns[name]().float()
-                    torch.cuda.synchronize()
-                    errs[name] = (rel_l2(out, ref), rel_l2(out, base))
-                except Exception as exc:  # noqa: BLE001 - report and go on
-                    print(f"{label} {name}: failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
-                    del fns[name]
+
+            def kv_rate(name, ms):
+                moved = kv_bytes // (1 if TIMED.get(name, {}).get("load_v", True) else 2)
+                return f"{moved / ms / 1e9:.2f}"
+            compare_kernels(f"H3 {label}", fns, ref, "production (3-stage TMA)", flop,
+                            columns=[("key/value TB/s", kv_rate)])
             del ref
-            t = paired_rounds(fns, rounds=10, warm=2)
-        base_t = statistics.median(t["production (3-stage TMA)"])
-        print(f"\n## H3 {label}: {flop / 1e12:.2f} TFLOP on listed blocks (10 rounds, kernel only)")
-        print("| kernel | ms | TFLOP/s | key/value TB/s | speed-up | err vs fp32 | diff vs production |")
-        print("|---|---|---|---|---|---|---|")
-        for name in fns:
-            ms = statistics.median(t[name])
-            moved = kv_bytes // (1 if TIMED.get(name, {}).get("load_v", True) else 2)
-            print(f"| {name} | {ms:.3f} | {flop / ms / 1e9:.0f} | {moved / ms / 1e9:.2f} | {base_t / ms:.3f} | "
-                  f"{errs[name][0]:.3e} | "
-                  f"{errs[name][1]:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

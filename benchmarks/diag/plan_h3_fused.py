@@ -72,6 +72,37 @@ def paired_rounds(fns, rounds=20, warm=2):
     return times
 
 
+def compare_kernels(title, fns, ref, base, flop, columns=(), rounds=10):
+    """Kernel-only comparison on one plan, printed as a markdown table: each of ``fns`` (name ->
+    launch) is run once for its error against ``ref`` (the fp32 definition) and its difference from
+    ``fns[base]``'s output (a launch that raises is reported and dropped), then timed in paired
+    rounds. ``columns`` adds ``(header, fn(name, ms) -> str)`` columns after TFLOP/s."""
+    base_out = fns[base]().float()
+    errs = {}
+    for name in list(fns):
+        try:
+            out = fns[name]().float()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()            # a launch's asynchronous error surfaces here
+            errs[name] = (rel_l2(out, ref), rel_l2(out, base_out))
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"{title} {name}: failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+            del fns[name]
+    del base_out
+    t = paired_rounds(fns, rounds=rounds, warm=2)
+    base_t = statistics.median(t[base])
+    heads = [h for h, _ in columns]
+    print(f"\n## {title}: {flop / 1e12:.2f} TFLOP on listed blocks ({rounds} rounds, kernel only)")
+    print("| kernel | ms | TFLOP/s | " + "".join(f"{h} | " for h in heads) + "speed-up | err vs fp32 | diff vs "
+          f"{base} |")
+    print("|---" * (6 + len(heads)) + "|")
+    for name in fns:
+        ms = statistics.median(t[name])
+        extra = "".join(f"{fn(name, ms)} | " for _, fn in columns)
+        print(f"| {name} | {ms:.3f} | {flop / ms / 1e9:.0f} | {extra}{base_t / ms:.3f} | {errs[name][0]:.3e} | "
+              f"{errs[name][1]:.1e} |", flush=True)
+
+
 def ratio_summary(num, den):
     """median and range of the per-round ratios num / den, e.g. '4.02x (3.97-4.06)'."""
     ratios = sorted(a / b for a, b in zip(num, den))
