@@ -21,8 +21,9 @@ two 64-row query blocks of one (batch, head) and three partitions:
 Outcome on an H200 (``benchmarks/results/h200/session16``): the output is bit-identical to the
 production kernel's with one block per step, and every variant ran slower than it, at 0.57-0.98x
 (the best: one block per step without turns, 0.92-0.98x, and two blocks per step with 2 key and 4
-value slots in ping-pong, 0.94-0.96x); skipping the value loads bought 2.9-4.8 %. Neither the softmax/product overlap nor the bytes is what limits the
-kernel, so it stays a benchmark, not a backend.
+value slots in ping-pong, 0.94-0.96x); skipping the value loads bought 2.9-4.8 %. Neither the
+softmax/product overlap nor the bytes is what limits the kernel, so it stays a benchmark, not a
+backend.
 
 Scope (what it was built to measure): no ``key_bias`` (the scale is folded into the softmax's FMA),
 no ``block_len``, contiguous ``(B, T, H, D)`` q, k, v (two-dimensional ``(B*T, H*D)`` TMA
@@ -206,116 +207,110 @@ def _finish(acc, l_i, Out, Gate, Coarse, b, h, q_block, plan_row, live, T, H, sg
 
 
 @gluon.jit
-def _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count, m_i, l_i, acc, T, qk_scale,
-           C: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, LOAD_V: gl.constexpr,
-           s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """One key block per step; returns ``(m, l, acc)`` and the turns taken."""
+def _walk(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count, m_i, l_i, acc, T, qk_scale,
+          C: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr, PER_STEP: gl.constexpr,
+          PINGPONG: gl.constexpr, LOAD_V: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One consumer's key loop over ``count >= 1`` listed blocks, ``PER_STEP`` (1 or 2) per step
+    (with 2, a block past the list is padding); returns ``(m, l, acc)``."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     k0: gl.constexpr = C * K_SLOTS
     v0: gl.constexpr = C * V_SLOTS
     s_zero = gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout)
-    # step 0: S only
-    mbarrier.wait(k_ready.index(k0), 0)
-    mbarrier.wait(turn.index(C), 0, pred=PINGPONG)
-    s_tok = warpgroup_mma(q, k_smem.index(k0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
-    s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(k0))
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, gl.load(idx), T, qk_scale, s_layout)
-    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-    p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    for j in range(1, count):
-        kb = gl.load(idx + j)                       # asked for before the waits: off the softmax's path
-        st = k0 + j % K_SLOTS
-        pv = v0 + (j - 1) % V_SLOTS
-        mbarrier.wait(k_ready.index(st), (j // K_SLOTS) & 1)
-        mbarrier.wait(v_ready.index(pv), ((j - 1) // V_SLOTS) & 1, pred=LOAD_V)
-        mbarrier.wait(turn.index(C), j & 1, pred=PINGPONG)
-        s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p_prev, v_smem.index(pv), acc, is_async=True)
+    if PER_STEP == 1:
+        # step 0: S only
+        mbarrier.wait(k_ready.index(k0), 0)
+        mbarrier.wait(turn.index(C), 0, pred=PINGPONG)
+        s_tok = warpgroup_mma(q, k_smem.index(k0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(st))
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, kb, T, qk_scale, s_layout)
-        acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
-        mbarrier.arrive(v_empty.index(pv))
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(k0))
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, gl.load(idx), T, qk_scale, s_layout)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    last = v0 + (count - 1) % V_SLOTS
-    mbarrier.wait(v_ready.index(last), ((count - 1) // V_SLOTS) & 1, pred=LOAD_V)
-    o_tok = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
-    acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
-    mbarrier.arrive(v_empty.index(last))
-    return m_i, l_i, acc
+        for j in range(1, count):
+            kb = gl.load(idx + j)                       # asked for before the waits: off the softmax's path
+            st = k0 + j % K_SLOTS
+            pv = v0 + (j - 1) % V_SLOTS
+            mbarrier.wait(k_ready.index(st), (j // K_SLOTS) & 1)
+            mbarrier.wait(v_ready.index(pv), ((j - 1) // V_SLOTS) & 1, pred=LOAD_V)
+            mbarrier.wait(turn.index(C), j & 1, pred=PINGPONG)
+            s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p_prev, v_smem.index(pv), acc, is_async=True)
+            mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(st))
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, kb, T, qk_scale, s_layout)
+            acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
+            mbarrier.arrive(v_empty.index(pv))
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        last = v0 + (count - 1) % V_SLOTS
+        mbarrier.wait(v_ready.index(last), ((count - 1) // V_SLOTS) & 1, pred=LOAD_V)
+        o_tok = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
+        acc, p_done = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
+        mbarrier.arrive(v_empty.index(last))
 
 
-@gluon.jit
-def _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count, m_i, l_i, acc, T, qk_scale,
-           C: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, LOAD_V: gl.constexpr,
-           s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Two key blocks per step (a, b; b past the list is padding): fewer waits and turns per block."""
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    k0: gl.constexpr = C * K_SLOTS
-    v0: gl.constexpr = C * V_SLOTS
-    s_zero = gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout)
-    steps = gl.cdiv(count, 2)
-    # step 0: S only
-    sa_slot = k0
-    sb_slot = k0 + (1 % K_SLOTS)
-    mbarrier.wait(k_ready.index(sa_slot), 0)
-    mbarrier.wait(k_ready.index(sb_slot), (1 // K_SLOTS) & 1)
-    mbarrier.wait(turn.index(C), 0, pred=PINGPONG)
-    sa_tok = warpgroup_mma(q, k_smem.index(sa_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    sb_tok = warpgroup_mma(q, k_smem.index(sb_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
-    sa, sb = warpgroup_mma_wait(0, deps=(sa_tok, sb_tok))
-    mbarrier.arrive(k_empty.index(sa_slot))
-    mbarrier.arrive(k_empty.index(sb_slot))
-    kb_b = gl.load(idx + gl.minimum(1, count - 1))
-    pa, pb, alpha, m_i, l_i = _softmax2(sa, sb, m_i, l_i, gl.load(idx), kb_b, 1 < count, T, qk_scale, s_layout)
-    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-    pa_prev = gl.convert_layout(pa.to(gl.bfloat16), p_layout)
-    pb_prev = gl.convert_layout(pb.to(gl.bfloat16), p_layout)
-    for j in range(1, steps):
-        t = 2 * j
-        kb_a = gl.load(idx + t)                     # asked for before the waits: off the softmax's path
-        kb_b = gl.load(idx + gl.minimum(t + 1, count - 1))
-        sa_slot = k0 + t % K_SLOTS
-        sb_slot = k0 + (t + 1) % K_SLOTS
-        va_slot = v0 + (t - 2) % V_SLOTS
-        vb_slot = v0 + (t - 1) % V_SLOTS
-        mbarrier.wait(k_ready.index(sa_slot), (t // K_SLOTS) & 1)
-        mbarrier.wait(k_ready.index(sb_slot), ((t + 1) // K_SLOTS) & 1)
-        mbarrier.wait(v_ready.index(va_slot), ((t - 2) // V_SLOTS) & 1, pred=LOAD_V)
-        mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // V_SLOTS) & 1, pred=LOAD_V)
-        mbarrier.wait(turn.index(C), j & 1, pred=PINGPONG)
+    else:
+        steps = gl.cdiv(count, 2)
+        # step 0: S only
+        sa_slot = k0
+        sb_slot = k0 + (1 % K_SLOTS)
+        mbarrier.wait(k_ready.index(sa_slot), 0)
+        mbarrier.wait(k_ready.index(sb_slot), (1 // K_SLOTS) & 1)
+        mbarrier.wait(turn.index(C), 0, pred=PINGPONG)
         sa_tok = warpgroup_mma(q, k_smem.index(sa_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sb_tok = warpgroup_mma(q, k_smem.index(sb_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(pa_prev, v_smem.index(va_slot), acc, is_async=True)
-        o_tok = warpgroup_mma(pb_prev, v_smem.index(vb_slot), o_tok, is_async=True)
         mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
-        sa, sb = warpgroup_mma_wait(2, deps=(sa_tok, sb_tok))
+        sa, sb = warpgroup_mma_wait(0, deps=(sa_tok, sb_tok))
         mbarrier.arrive(k_empty.index(sa_slot))
         mbarrier.arrive(k_empty.index(sb_slot))
-        pa, pb, alpha, m_i, l_i = _softmax2(sa, sb, m_i, l_i, kb_a, kb_b, t + 1 < count, T, qk_scale, s_layout)
-        acc, pa_done, pb_done = warpgroup_mma_wait(0, deps=(o_tok, pa_prev, pb_prev))
-        mbarrier.arrive(v_empty.index(va_slot))
-        mbarrier.arrive(v_empty.index(vb_slot))
+        kb_b = gl.load(idx + gl.minimum(1, count - 1))
+        pa, pb, alpha, m_i, l_i = _softmax2(sa, sb, m_i, l_i, gl.load(idx), kb_b, 1 < count, T, qk_scale, s_layout)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         pa_prev = gl.convert_layout(pa.to(gl.bfloat16), p_layout)
         pb_prev = gl.convert_layout(pb.to(gl.bfloat16), p_layout)
-    t = 2 * steps
-    va_slot = v0 + (t - 2) % V_SLOTS
-    vb_slot = v0 + (t - 1) % V_SLOTS
-    mbarrier.wait(v_ready.index(va_slot), ((t - 2) // V_SLOTS) & 1, pred=LOAD_V)
-    mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // V_SLOTS) & 1, pred=LOAD_V)
-    o_tok = warpgroup_mma(pa_prev, v_smem.index(va_slot), acc, is_async=True)
-    o_tok = warpgroup_mma(pb_prev, v_smem.index(vb_slot), o_tok, is_async=True)
-    acc, pa_done, pb_done = warpgroup_mma_wait(0, deps=(o_tok, pa_prev, pb_prev))
-    mbarrier.arrive(v_empty.index(va_slot))
-    mbarrier.arrive(v_empty.index(vb_slot))
+        for j in range(1, steps):
+            t = 2 * j
+            kb_a = gl.load(idx + t)                     # asked for before the waits: off the softmax's path
+            kb_b = gl.load(idx + gl.minimum(t + 1, count - 1))
+            sa_slot = k0 + t % K_SLOTS
+            sb_slot = k0 + (t + 1) % K_SLOTS
+            va_slot = v0 + (t - 2) % V_SLOTS
+            vb_slot = v0 + (t - 1) % V_SLOTS
+            mbarrier.wait(k_ready.index(sa_slot), (t // K_SLOTS) & 1)
+            mbarrier.wait(k_ready.index(sb_slot), ((t + 1) // K_SLOTS) & 1)
+            mbarrier.wait(v_ready.index(va_slot), ((t - 2) // V_SLOTS) & 1, pred=LOAD_V)
+            mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // V_SLOTS) & 1, pred=LOAD_V)
+            mbarrier.wait(turn.index(C), j & 1, pred=PINGPONG)
+            sa_tok = warpgroup_mma(q, k_smem.index(sa_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sb_tok = warpgroup_mma(q, k_smem.index(sb_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(pa_prev, v_smem.index(va_slot), acc, is_async=True)
+            o_tok = warpgroup_mma(pb_prev, v_smem.index(vb_slot), o_tok, is_async=True)
+            mbarrier.arrive(turn.index(1 - C), pred=PINGPONG)
+            sa, sb = warpgroup_mma_wait(2, deps=(sa_tok, sb_tok))
+            mbarrier.arrive(k_empty.index(sa_slot))
+            mbarrier.arrive(k_empty.index(sb_slot))
+            pa, pb, alpha, m_i, l_i = _softmax2(sa, sb, m_i, l_i, kb_a, kb_b, t + 1 < count, T, qk_scale, s_layout)
+            acc, pa_done, pb_done = warpgroup_mma_wait(0, deps=(o_tok, pa_prev, pb_prev))
+            mbarrier.arrive(v_empty.index(va_slot))
+            mbarrier.arrive(v_empty.index(vb_slot))
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            pa_prev = gl.convert_layout(pa.to(gl.bfloat16), p_layout)
+            pb_prev = gl.convert_layout(pb.to(gl.bfloat16), p_layout)
+        t = 2 * steps
+        va_slot = v0 + (t - 2) % V_SLOTS
+        vb_slot = v0 + (t - 1) % V_SLOTS
+        mbarrier.wait(v_ready.index(va_slot), ((t - 2) // V_SLOTS) & 1, pred=LOAD_V)
+        mbarrier.wait(v_ready.index(vb_slot), ((t - 1) // V_SLOTS) & 1, pred=LOAD_V)
+        o_tok = warpgroup_mma(pa_prev, v_smem.index(va_slot), acc, is_async=True)
+        o_tok = warpgroup_mma(pb_prev, v_smem.index(vb_slot), o_tok, is_async=True)
+        acc, pa_done, pb_done = warpgroup_mma_wait(0, deps=(o_tok, pa_prev, pb_prev))
+        mbarrier.arrive(v_empty.index(va_slot))
+        mbarrier.arrive(v_empty.index(vb_slot))
+
+
     return m_i, l_i, acc
 
 
@@ -346,14 +341,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     m_i, l_i, acc = _start(q, bh, plan_row, KeyMean, TailLse, TailValue, qk_scale, HEAD_DIM, HAS_TAIL,
                            s_layout, o_layout)
     if count > 0:
-        if PER_STEP == 1:
-            m_i, l_i, acc = _walk1(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count,
-                                   m_i, l_i, acc, T, qk_scale, C, K_SLOTS, V_SLOTS, PINGPONG, LOAD_V, s_layout,
-                                   o_layout)
-        else:
-            m_i, l_i, acc = _walk2(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count,
-                                   m_i, l_i, acc, T, qk_scale, C, K_SLOTS, V_SLOTS, PINGPONG, LOAD_V, s_layout,
-                                   o_layout)
+        m_i, l_i, acc = _walk(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count,
+                              m_i, l_i, acc, T, qk_scale, C, K_SLOTS, V_SLOTS, PER_STEP, PINGPONG, LOAD_V,
+                              s_layout, o_layout)
     if PINGPONG:
         # the other consumer's remaining steps: pass the turn back each time
         for j in range(gl.cdiv(count, PER_STEP), n_turns):
@@ -420,19 +410,19 @@ def supported(problem) -> list:
     if problem.block_len is not None:
         why.append("block_len")
     if not (problem.scale > 0):
-        why.append("scale <= 0")
+        why.append(f"scale {problem.scale}")
     if problem.q.dtype != torch.bfloat16:
-        why.append("dtype")
+        why.append(f"dtype {problem.q.dtype}")
     if problem.D not in (64, 128):
-        why.append("head dim")
+        why.append(f"head dim {problem.D}")
     for name in ("q", "k", "v"):
         if not getattr(problem, name).is_contiguous():
             why.append(f"{name} not contiguous")
     return why
 
 
-def launch(problem, plan, slots: int = 2, v_slots: Optional[int] = None, per_step: int = 1, pingpong: bool = True, consumer_regs: int = 232,
-           out=None, load_v: bool = True):
+def launch(problem, plan, slots: int = 2, v_slots: Optional[int] = None, per_step: int = 1,
+           pingpong: bool = True, consumer_regs: int = 232, out=None, load_v: bool = True):
     """Run the experiment on ``problem`` with ``plan`` (the production kernel's operands).
 
     ``load_v=False`` is a diagnostic: values are never loaded (the products read whatever the
@@ -445,8 +435,21 @@ def launch(problem, plan, slots: int = 2, v_slots: Optional[int] = None, per_ste
 
     why = supported(problem)
     if why:
-        raise ValueError(f"kernel_pingpong: not supported here: {', '.join(why)}")
+        raise ValueError(f"kernel_pingpong.launch: argument 'problem' has {', '.join(why)}; allowed: bf16, "
+                         "head dim 64 or 128, contiguous q, k, v, no key_bias or block_len, scale > 0")
+    v_slots = slots if v_slots is None else v_slots
+    if per_step not in (1, 2):
+        raise ValueError(f"kernel_pingpong.launch: argument 'per_step' received {per_step!r}; allowed: 1 or 2")
+    if min(slots, v_slots) < per_step:
+        # both blocks of a step must sit in the ring at once, or producer and consumer wait on each other
+        raise ValueError(f"kernel_pingpong.launch: arguments 'slots', 'v_slots' received {slots}, {v_slots}; "
+                         f"allowed: at least per_step ({per_step}) each")
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
+    smem = (2 + 2 * (slots + v_slots)) * ROWS * D * 2
+    if smem > 227 * 1024:
+        raise ValueError(f"kernel_pingpong.launch: arguments 'slots', 'v_slots' received {slots}, {v_slots}; "
+                         f"allowed: rings that fit 227 KB of shared memory with the query tiles "
+                         f"({smem // 1024} KB asked for at D={D})")
     ops = kernel_operands(problem, plan)
     layout = gl.NVMMASharedLayout.get_default_for([ROWS, D], gl.bfloat16)
     descs = [TensorDescriptor(t.view(B * T, H * D), [B * T, H * D], [H * D, 1], [ROWS, D], layout)
@@ -457,7 +460,7 @@ def launch(problem, plan, slots: int = 2, v_slots: Optional[int] = None, per_ste
     pingpong_fwd[grid](*descs, out, ops.gate, ops.kv_num, ops.kv_idx, ops.key_mean, ops.tail_lse,
                        ops.tail_value, ops.coarse, *ops.gate.stride(), T, H, n, ops.kv_idx.shape[-1],
                        problem.scale * LOG2E, HEAD_DIM=D, K_SLOTS=slots,
-                       V_SLOTS=slots if v_slots is None else v_slots, PER_STEP=per_step,
+                       V_SLOTS=v_slots, PER_STEP=per_step,
                        PINGPONG=pingpong, LOAD_V=load_v, HAS_TAIL=ops.has_tail,
                        HAS_COARSE=ops.has_coarse, CONSUMER_REGS=consumer_regs, num_warps=4)
     return out

@@ -23,12 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import solattn  # noqa: E402
-from plan_h3_fused import MODES, compare_kernels  # noqa: E402
+from plan_h3_fused import compare_kernels, h3_cases  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.backends.triton import kernel as tk  # noqa: E402
-from solattn.routing import build_plan  # noqa: E402
-from solattn.testing import make_qkv  # noqa: E402
-from solattn.validation import validate  # noqa: E402
 
 dev = torch.device("cuda")
 #: name -> (num_stages, extra launch options)
@@ -55,20 +52,16 @@ def compiled_stats() -> list:
 
 
 def main():
-    q, k, v = make_qkv(1, 37296, 56, 128, dtype=torch.bfloat16, device=dev, seed=0)
-    for label, kw in MODES:
-        problem = validate(q, k, v, **kw)
-        with torch.no_grad():
-            plan = build_plan(problem)
-            flop = 4 * int(plan.kv_num_blocks.long().sum()) * 64 * 64 * problem.D
-            ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw)
-            fns = {}
-            for name, (stages, opts) in SETTINGS.items():
-                def fn(stages=stages, opts=opts):
-                    return tb.run_kernel(tk.sol_attn_fwd, problem, plan, config(stages), constexprs=opts)
-                fns[name] = fn
-            compare_kernels(f"H3 {label}", fns, ref, "production (3 stages)", flop)
-            del ref
+    for label, kw, problem, plan in h3_cases():
+        flop = 4 * int(plan.kv_num_blocks.long().sum()) * 64 * 64 * problem.D
+        ref = solattn.sol_attn(problem.q.float(), problem.k.float(), problem.v.float(), backend="sdpa", **kw)
+        fns = {}
+        for name, (stages, opts) in SETTINGS.items():
+            def fn(stages=stages, opts=opts):
+                return tb.run_kernel(tk.sol_attn_fwd, problem, plan, config(stages), constexprs=opts)
+            fns[name] = fn
+        compare_kernels(f"H3 {label}", fns, ref, "production (3 stages)", flop)
+        del ref
     print("\ncompiled variants:\n" + "\n".join(compiled_stats()))
 
 

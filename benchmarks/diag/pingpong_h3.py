@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_pingpong as kp  # noqa: E402
 import solattn  # noqa: E402
-from plan_h3_fused import MODES, compare_kernels  # noqa: E402
+from plan_h3_fused import compare_kernels, h3_cases  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
 from solattn.testing import make_qkv, rel_l2  # noqa: E402
@@ -96,25 +96,21 @@ def _prod_kernel():
 
 
 def h3():
-    q, k, v = make_qkv(1, 37296, 56, 128, dtype=torch.bfloat16, device=dev, seed=0)
-    for label, kw in MODES:
-        problem = validate(q, k, v, **kw)
-        with torch.no_grad():
-            plan = build_plan(problem)
-            pairs = int(plan.kv_num_blocks.long().sum())
-            flop = 4 * pairs * 64 * 64 * problem.D
-            kv_bytes = pairs * 64 * problem.D * 2 * 2          # a key and a value tile per listed block
-            ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw)
-            fns = {"production (3-stage TMA)": lambda: tb.run_kernel(_prod_kernel(), problem, plan, PROD)}
-            for name, opts in TIMED.items():
-                fns[name] = lambda opts=opts: kp.launch(problem, plan, **opts)
+    for label, kw, problem, plan in h3_cases():
+        pairs = int(plan.kv_num_blocks.long().sum())
+        flop = 4 * pairs * 64 * 64 * problem.D
+        kv_bytes = pairs * 64 * problem.D * 2 * 2          # a key and a value tile per listed block
+        ref = solattn.sol_attn(problem.q.float(), problem.k.float(), problem.v.float(), backend="sdpa", **kw)
+        fns = {"production (3-stage TMA)": lambda: tb.run_kernel(_prod_kernel(), problem, plan, PROD)}
+        for name, opts in TIMED.items():
+            fns[name] = lambda opts=opts: kp.launch(problem, plan, **opts)
 
-            def kv_rate(name, ms):
-                moved = kv_bytes // (1 if TIMED.get(name, {}).get("load_v", True) else 2)
-                return f"{moved / ms / 1e9:.2f}"
-            compare_kernels(f"H3 {label}", fns, ref, "production (3-stage TMA)", flop,
-                            columns=[("key/value TB/s", kv_rate)])
-            del ref
+        def kv_rate(name, ms):
+            moved = kv_bytes // (1 if TIMED.get(name, {}).get("load_v", True) else 2)
+            return f"{moved / ms / 1e9:.2f}"
+        compare_kernels(f"H3 {label}", fns, ref, "production (3-stage TMA)", flop,
+                        columns=[("key/value TB/s", kv_rate)])
+        del ref
 
 
 if __name__ == "__main__":

@@ -72,6 +72,16 @@ def paired_rounds(fns, rounds=20, warm=2):
     return times
 
 
+def h3_cases(modes=MODES):
+    """``(label, kwargs, problem, plan)`` for each routing mode at H3 (``make_qkv`` seed 0, bf16),
+    the plan built by ``build_plan``; the caller's work for a mode runs under ``no_grad``."""
+    q, k, v = make_qkv(1, 37296, 56, 128, dtype=torch.bfloat16, device=dev, seed=0)
+    for label, kw in modes:
+        problem = validate(q, k, v, **kw)
+        with torch.no_grad():
+            yield label, kw, problem, build_plan(problem)
+
+
 def compare_kernels(title, fns, ref, base, flop, columns=(), rounds=10):
     """Kernel-only comparison on one plan, printed as a markdown table: each of ``fns`` (name ->
     launch) is run once for its error against ``ref`` (the fp32 definition) and its difference from
