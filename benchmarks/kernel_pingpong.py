@@ -79,6 +79,18 @@ def _load_tile(desc, smem, ready, empty, idx, count, t, row, col,
 
 
 @gluon.jit
+def _load_step(desc, smem, ready, empty, idx0, idx1, c0, c1, steps0, steps1, j, row, col,
+               SLOTS: gl.constexpr, PER_STEP: gl.constexpr, tile_bytes: gl.constexpr):
+    """Step ``j``'s tiles (keys or values) for both consumers, consumer 0's first."""
+    if j < steps0:
+        for i in gl.static_range(PER_STEP):
+            _load_tile(desc, smem, ready, empty, idx0, c0, j * PER_STEP + i, row, col, 0, SLOTS, tile_bytes)
+    if j < steps1:
+        for i in gl.static_range(PER_STEP):
+            _load_tile(desc, smem, ready, empty, idx1, c1, j * PER_STEP + i, row, col, SLOTS, SLOTS, tile_bytes)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               KvNum, KvIdx, T, H, n_blocks, max_blocks,
               HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr, PER_STEP: gl.constexpr,
@@ -100,23 +112,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
     steps0 = gl.cdiv(c0, PER_STEP)
     steps1 = gl.cdiv(c1, PER_STEP)
     for j in range(gl.maximum(steps0, steps1)):
-        if j < steps0:
-            for i in gl.static_range(PER_STEP):
-                _load_tile(k_desc, k_smem, k_ready, k_empty, idx0, c0, j * PER_STEP + i, base, col,
-                           0, K_SLOTS, tile_bytes)
-        if j < steps1:
-            for i in gl.static_range(PER_STEP):
-                _load_tile(k_desc, k_smem, k_ready, k_empty, idx1, c1, j * PER_STEP + i, base, col,
-                           K_SLOTS, K_SLOTS, tile_bytes)
+        _load_step(k_desc, k_smem, k_ready, k_empty, idx0, idx1, c0, c1, steps0, steps1, j, base, col,
+                   K_SLOTS, PER_STEP, tile_bytes)
         if LOAD_V:
-            if j < steps0:
-                for i in gl.static_range(PER_STEP):
-                    _load_tile(v_desc, v_smem, v_ready, v_empty, idx0, c0, j * PER_STEP + i, base, col,
-                               0, V_SLOTS, tile_bytes)
-            if j < steps1:
-                for i in gl.static_range(PER_STEP):
-                    _load_tile(v_desc, v_smem, v_ready, v_empty, idx1, c1, j * PER_STEP + i, base, col,
-                               V_SLOTS, V_SLOTS, tile_bytes)
+            _load_step(v_desc, v_smem, v_ready, v_empty, idx0, idx1, c0, c1, steps0, steps1, j, base, col,
+                       V_SLOTS, PER_STEP, tile_bytes)
 
 
 @gluon.jit
