@@ -13,6 +13,8 @@
 #   timeline    diag/select_cost.py timeline: the GPU timeline of one sol_attn call per mode at H3
 #   select_cost diag/select_cost.py: fused-plan launch sweep and e2e GPU timeline at H3
 #   seed_eager  diag/seed_eager.py: host cost of eager seed-shape calls (cProfile)
+#   pingpong    diag/pingpong_h3.py check h3: the ping-pong Gluon kernel (kernel_pingpong.py) against the
+#               production kernel, checked on small shapes, then timed at H3 (session 16; about 4 minutes)
 #   flex        diag/flex_exact_branch.py at H3's size (T=37248, a multiple of 64): FlexAttention with the
 #               plan as block mask against the sdpa backend's gathers, top-k 10 % and 20 %
 # e.g.  OUT=$OUT EXTRA_PYTHONPATH=$PWD/.whl/ck:$PWD/.whl/xdist bash benchmarks/gpu_session10.sh tests_x backward
@@ -50,11 +52,13 @@ for step in "$@"; do
                  grep -E "^##|plan|failed|start" "$OUT/select_cost.txt" | cut -c1-260 ;;
     seed_eager) timeout 90 python benchmarks/diag/seed_eager.py > "$OUT/seed_eager.txt" 2>&1
                 head -60 "$OUT/seed_eager.txt" | cut -c1-160 ;;
+    pingpong) timeout 400 python benchmarks/diag/pingpong_h3.py check h3 > "$OUT/pingpong.txt" 2>&1
+              echo "pingpong rc=$?"; grep -c " ok$" "$OUT/pingpong.txt"; grep -E "^##|^\| (production|ping|no turns|diag)" "$OUT/pingpong.txt" ;;
     flex) for r in 0.1 0.2; do
             timeout 150 python benchmarks/diag/flex_exact_branch.py --T 37248 --H 56 --ratio $r --repeats 5 \
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager flex" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong flex" >&2; exit 2 ;;
   esac
 done
