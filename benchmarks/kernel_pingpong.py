@@ -16,7 +16,9 @@ two 64-row query blocks of one (batch, head) and three partitions:
   while the other's products do; a consumer whose list is shorter passes its turns until the other
   is done. ``PER_STEP`` is 1 or 2 key blocks per step (a step of two past the list's end loads the
   last block again and masks it to -inf). ``LOAD_V=False`` is a diagnostic that never loads the
-  values (meaningless output, half the bytes, the same arithmetic).
+  values (meaningless output, half the bytes, the same arithmetic). ``Q_IN_REGS`` keeps each
+  consumer's query tile in registers, its shared memory lent to the value ring (written after the
+  runs below and compile-checked for sm_90 only: 3 key + 4 value slots, 225 KB, no spills).
 
 Outcome on an H200 (``benchmarks/results/h200/session16``): the output is bit-identical to the
 production kernel's with one block per step, and every variant ran slower than it, at 0.57-0.98x
@@ -39,6 +41,7 @@ from __future__ import annotations
 from typing import Optional
 
 from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
@@ -64,37 +67,49 @@ def _pair(KvNum, T, H, n_blocks):
     return bh, b, h, qb0, row0, c0, c1, has1
 
 
+@constexpr_function
+def _q_slot(c, V_SLOTS, Q_IN_REGS):
+    """Where consumer ``c``'s query tile lands: its own slot, or (``Q_IN_REGS``) the last slot of its
+    value ring, which it reads into registers and hands back before the ring gets there."""
+    return c * V_SLOTS + V_SLOTS - 1 if Q_IN_REGS else c
+
+
 @gluon.jit
-def _load_tile(desc, smem, ready, empty, idx, count, t, row, col,
-               slot0: gl.constexpr, SLOTS: gl.constexpr, tile_bytes: gl.constexpr):
+def _load_tile(desc, smem, ready, empty, idx, count, t, row, col, gate,
+               slot0: gl.constexpr, SLOTS: gl.constexpr, tile_bytes: gl.constexpr, GATED: gl.constexpr):
     """Load the ``t``-th listed block of one consumer (keys or values) into its ring of ``SLOTS``
     slots (a ``t`` past the list, which pads a step of two blocks, loads the last listed block
-    again: finite data that the consumer masks to -inf)."""
+    again: finite data that the consumer masks to -inf). ``GATED``: the ring's last slot first
+    held the consumer's query tile, so its first load waits for ``gate`` (the query read out)."""
     s = slot0 + t % SLOTS
     free_phase = ((t // SLOTS) & 1) ^ 1          # a fresh barrier counts its phase "-1" as done
     kb = gl.load(idx + gl.minimum(t, count - 1))
+    if GATED:
+        mbarrier.wait(gate, 0, pred=t == SLOTS - 1)
     mbarrier.wait(empty.index(s), free_phase)
     mbarrier.expect(ready.index(s), tile_bytes)
     tma.async_copy_global_to_shared(desc, [row + kb * BLOCK, col], ready.index(s), smem.index(s))
 
 
 @gluon.jit
-def _load_step(desc, smem, ready, empty, idx0, idx1, c0, c1, steps0, steps1, j, row, col,
-               SLOTS: gl.constexpr, PER_STEP: gl.constexpr, tile_bytes: gl.constexpr):
+def _load_step(desc, smem, ready, empty, idx0, idx1, c0, c1, steps0, steps1, j, row, col, gates,
+               SLOTS: gl.constexpr, PER_STEP: gl.constexpr, tile_bytes: gl.constexpr, GATED: gl.constexpr):
     """Step ``j``'s tiles (keys or values) for both consumers, consumer 0's first."""
     if j < steps0:
         for i in gl.static_range(PER_STEP):
-            _load_tile(desc, smem, ready, empty, idx0, c0, j * PER_STEP + i, row, col, 0, SLOTS, tile_bytes)
+            _load_tile(desc, smem, ready, empty, idx0, c0, j * PER_STEP + i, row, col, gates.index(0),
+                       0, SLOTS, tile_bytes, GATED)
     if j < steps1:
         for i in gl.static_range(PER_STEP):
-            _load_tile(desc, smem, ready, empty, idx1, c1, j * PER_STEP + i, row, col, SLOTS, SLOTS, tile_bytes)
+            _load_tile(desc, smem, ready, empty, idx1, c1, j * PER_STEP + i, row, col, gates.index(1),
+                       SLOTS, SLOTS, tile_bytes, GATED)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty,
               KvNum, KvIdx, T, H, n_blocks, max_blocks,
               HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr, PER_STEP: gl.constexpr,
-              LOAD_V: gl.constexpr):
+              LOAD_V: gl.constexpr, Q_IN_REGS: gl.constexpr):
     """Per step: both consumers' key blocks, then both consumers' value blocks, the order in which
     the consumers free their slots (keys after a step's scores, values after its products), so
     the producer never waits on one slot while another it could fill is free."""
@@ -102,21 +117,23 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
     tile_bytes: gl.constexpr = BLOCK * HEAD_DIM * 2
     col = h * HEAD_DIM
     base = b * T
+    q_slot0: gl.constexpr = _q_slot(0, V_SLOTS, Q_IN_REGS)
+    q_slot1: gl.constexpr = _q_slot(1, V_SLOTS, Q_IN_REGS)
     mbarrier.expect(q_bar.index(0), tile_bytes)
-    tma.async_copy_global_to_shared(q_desc, [base + qb0 * BLOCK, col], q_bar.index(0), q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [base + qb0 * BLOCK, col], q_bar.index(0), q_smem.index(q_slot0))
     mbarrier.expect(q_bar.index(1), tile_bytes, pred=has1)
-    tma.async_copy_global_to_shared(q_desc, [base + qb0 * BLOCK + BLOCK, col], q_bar.index(1), q_smem.index(1),
-                                    pred=has1)
+    tma.async_copy_global_to_shared(q_desc, [base + qb0 * BLOCK + BLOCK, col], q_bar.index(1),
+                                    q_smem.index(q_slot1), pred=has1)
     idx0 = KvIdx + row0 * max_blocks
     idx1 = idx0 + max_blocks
     steps0 = gl.cdiv(c0, PER_STEP)
     steps1 = gl.cdiv(c1, PER_STEP)
     for j in range(gl.maximum(steps0, steps1)):
-        _load_step(k_desc, k_smem, k_ready, k_empty, idx0, idx1, c0, c1, steps0, steps1, j, base, col,
-                   K_SLOTS, PER_STEP, tile_bytes)
+        _load_step(k_desc, k_smem, k_ready, k_empty, idx0, idx1, c0, c1, steps0, steps1, j, base, col, q_free,
+                   K_SLOTS, PER_STEP, tile_bytes, False)
         if LOAD_V:
-            _load_step(v_desc, v_smem, v_ready, v_empty, idx0, idx1, c0, c1, steps0, steps1, j, base, col,
-                       V_SLOTS, PER_STEP, tile_bytes)
+            _load_step(v_desc, v_smem, v_ready, v_empty, idx0, idx1, c0, c1, steps0, steps1, j, base, col, q_free,
+                       V_SLOTS, PER_STEP, tile_bytes, Q_IN_REGS)
 
 
 @gluon.jit
@@ -315,12 +332,13 @@ def _walk(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, coun
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+def _consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, turn,
               Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
               sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
               C: gl.constexpr, HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr,
               PER_STEP: gl.constexpr,
-              PINGPONG: gl.constexpr, LOAD_V: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr):
+              PINGPONG: gl.constexpr, LOAD_V: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr,
+              Q_IN_REGS: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -336,10 +354,17 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     q_block = qb0 + C
     plan_row = gl.where(live, row0 + C, row0)          # a missing second block reads the first's row
     idx = KvIdx + plan_row * max_blocks
-    q = q_smem.index(C)
+    q_tile = q_smem.index(_q_slot(C, V_SLOTS, Q_IN_REGS))
     mbarrier.wait(q_bar.index(C), 0, pred=live)
-    m_i, l_i, acc = _start(q, bh, plan_row, KeyMean, TailLse, TailValue, qk_scale, HEAD_DIM, HAS_TAIL,
+    m_i, l_i, acc = _start(q_tile, bh, plan_row, KeyMean, TailLse, TailValue, qk_scale, HEAD_DIM, HAS_TAIL,
                            s_layout, o_layout)
+    if Q_IN_REGS:
+        # the products' left operand from registers (32 per thread); the slot joins the value ring
+        q = q_tile.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        fence_async_shared()
+        mbarrier.arrive(q_free.index(C))
+    else:
+        q = q_tile
     if count > 0:
         m_i, l_i, acc = _walk(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, idx, count,
                               m_i, l_i, acc, T, qk_scale, C, K_SLOTS, V_SLOTS, PER_STEP, PINGPONG, LOAD_V,
@@ -360,12 +385,16 @@ def pingpong_fwd(q_desc, k_desc, v_desc, Out, Gate,
                  T, H, n_blocks, max_blocks, qk_scale,
                  HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr, V_SLOTS: gl.constexpr, PER_STEP: gl.constexpr,
                  PINGPONG: gl.constexpr,
-                 LOAD_V: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                 LOAD_V: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_COARSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 Q_IN_REGS: gl.constexpr = False):
     dtype: gl.constexpr = q_desc.dtype
     layout: gl.constexpr = q_desc.layout
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
+    if not Q_IN_REGS:
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
     k_smem = gl.allocate_shared_memory(dtype, [2 * K_SLOTS, BLOCK, HEAD_DIM], layout)
     v_smem = gl.allocate_shared_memory(dtype, [2 * V_SLOTS, BLOCK, HEAD_DIM], layout)
+    if Q_IN_REGS:
+        q_smem = v_smem                     # see _q_slot
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -373,6 +402,12 @@ def pingpong_fwd(q_desc, k_desc, v_desc, Out, Gate,
     k_empty = gl.allocate_shared_memory(gl.int64, [2 * K_SLOTS, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [2 * V_SLOTS, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [2 * V_SLOTS, 1], bar_layout)
+    if Q_IN_REGS:
+        q_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        for i in gl.static_range(2):
+            mbarrier.init(q_free.index(i), count=1)
+    else:
+        q_free = q_bar                      # not waited on
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
@@ -386,16 +421,19 @@ def pingpong_fwd(q_desc, k_desc, v_desc, Out, Gate,
     mbarrier.arrive(turn.index(0))          # consumer 0 issues first
 
     gl.warp_specialize([
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     KvNum, KvIdx, T, H, n_blocks, max_blocks, HEAD_DIM, K_SLOTS, V_SLOTS, PER_STEP, LOAD_V)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready,
+                     v_empty, KvNum, KvIdx, T, H, n_blocks, max_blocks, HEAD_DIM, K_SLOTS, V_SLOTS, PER_STEP, LOAD_V,
+                     Q_IN_REGS)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, turn,
                      Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
                      sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
-                     0, HEAD_DIM, K_SLOTS, V_SLOTS, PER_STEP, PINGPONG, LOAD_V, HAS_TAIL, HAS_COARSE)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                     0, HEAD_DIM, K_SLOTS, V_SLOTS, PER_STEP, PINGPONG, LOAD_V, HAS_TAIL, HAS_COARSE,
+                     Q_IN_REGS)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, k_ready, k_empty, v_ready, v_empty, turn,
                      Out, Gate, KvNum, KvIdx, KeyMean, TailLse, TailValue, Coarse,
                      sgb, sgt, sgh, sgd, T, H, n_blocks, max_blocks, qk_scale,
-                     1, HEAD_DIM, K_SLOTS, V_SLOTS, PER_STEP, PINGPONG, LOAD_V, HAS_TAIL, HAS_COARSE)),
+                     1, HEAD_DIM, K_SLOTS, V_SLOTS, PER_STEP, PINGPONG, LOAD_V, HAS_TAIL, HAS_COARSE,
+                     Q_IN_REGS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -422,12 +460,15 @@ def supported(problem) -> list:
 
 
 def launch(problem, plan, slots: int = 2, v_slots: Optional[int] = None, per_step: int = 1,
-           pingpong: bool = True, consumer_regs: int = 232, out=None, load_v: bool = True):
+           pingpong: bool = True, consumer_regs: int = 232, out=None, load_v: bool = True,
+           q_in_regs: bool = False):
     """Run the experiment on ``problem`` with ``plan`` (the production kernel's operands).
 
     ``load_v=False`` is a diagnostic: values are never loaded (the products read whatever the
     value slots hold, so the output is meaningless), which halves the bytes each block pair moves
-    while the arithmetic stays the same; its time says how much the bytes cost."""
+    while the arithmetic stays the same; its time says how much the bytes cost. ``q_in_regs``
+    keeps each query tile in registers and lends its shared memory to the value ring (see
+    ``_q_slot``), which frees 32 KB for deeper rings (3 key + 4 value slots at D = 128)."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -445,7 +486,7 @@ def launch(problem, plan, slots: int = 2, v_slots: Optional[int] = None, per_ste
         raise ValueError(f"kernel_pingpong.launch: arguments 'slots', 'v_slots' received {slots}, {v_slots}; "
                          f"allowed: at least per_step ({per_step}) each")
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
-    smem = (2 + 2 * (slots + v_slots)) * ROWS * D * 2
+    smem = ((0 if q_in_regs else 2) + 2 * (slots + v_slots)) * ROWS * D * 2
     if smem > 227 * 1024:
         raise ValueError(f"kernel_pingpong.launch: arguments 'slots', 'v_slots' received {slots}, {v_slots}; "
                          f"allowed: rings that fit 227 KB of shared memory with the query tiles "
@@ -462,5 +503,5 @@ def launch(problem, plan, slots: int = 2, v_slots: Optional[int] = None, per_ste
                        problem.scale * LOG2E, HEAD_DIM=D, K_SLOTS=slots,
                        V_SLOTS=v_slots, PER_STEP=per_step,
                        PINGPONG=pingpong, LOAD_V=load_v, HAS_TAIL=ops.has_tail,
-                       HAS_COARSE=ops.has_coarse, CONSUMER_REGS=consumer_regs, num_warps=4)
+                       HAS_COARSE=ops.has_coarse, CONSUMER_REGS=consumer_regs, Q_IN_REGS=q_in_regs, num_warps=4)
     return out

@@ -41,10 +41,15 @@ VARIANTS = {
     "ping-pong, 2 blocks/step, 2+4 slots": dict(slots=2, v_slots=4, per_step=2, pingpong=True),
     "no turns, 2 blocks/step, 2+4 slots": dict(slots=2, v_slots=4, per_step=2, pingpong=False),
     "ping-pong, 2 blocks/step, 3+3 slots": dict(slots=3, per_step=2, pingpong=True),
+    # written after the session-16 runs, not yet run on a GPU: query tiles in registers, deeper rings
+    "ping-pong, 2 blocks/step, q in registers, 3+4 slots": dict(slots=3, v_slots=4, per_step=2, pingpong=True,
+                                                                q_in_regs=True),
+    "no turns, 1 block/step, q in registers, 3+4 slots": dict(slots=3, v_slots=4, per_step=1, pingpong=False,
+                                                              q_in_regs=True),
 }
 #: what ``check`` runs (6afb789 checked both 1-block variants; 529035a the 2-block ones with one ring size)
 CHECKED = ("ping-pong, 1 block/step, 2+2 slots", "ping-pong, 2 blocks/step, 2+4 slots",
-           "no turns, 2 blocks/step, 2+4 slots", "ping-pong, 2 blocks/step, 3+3 slots")
+           "ping-pong, 2 blocks/step, q in registers, 3+4 slots", "no turns, 1 block/step, q in registers, 3+4 slots")
 #: what ``h3`` times. Earlier runs: 2 blocks per step with one 3-slot ring for keys and values and a
 #: producer that waited for each consumer's value slot before the other consumer's keys, 0.57-0.62x
 #: (529035a); skipping the value loads (half the bytes), 2.9-4.8 % faster (6afb789).
