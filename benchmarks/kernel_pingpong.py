@@ -41,10 +41,10 @@ from __future__ import annotations
 from typing import Optional
 
 from triton.experimental import gluon
-from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.runtime.jit import constexpr_function
 
 ROWS = 64                  # the routing block: query rows per consumer, keys per step
 BLOCK = gl.constexpr(ROWS)
