@@ -22,7 +22,7 @@ two 64-row query blocks of one (batch, head) and three partitions:
 
 Outcome on an H200 (``benchmarks/results/h200/session16``): the output is bit-identical to the
 production kernel's with one block per step, and every variant ran slower than it, at 0.57-0.98x
-(the best: one block per step without turns, 0.92-0.98x, and two blocks per step with 2 key and 4
+(the best: one block per step without turns, 0.91-0.98x, and two blocks per step with 2 key and 4
 value slots in ping-pong, 0.94-0.96x); skipping the value loads bought 2.9-4.8 %. Neither the
 softmax/product overlap nor the bytes is what limits the kernel, so it stays a benchmark, not a
 backend.
