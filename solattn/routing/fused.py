@@ -135,6 +135,11 @@ def fused_plan(problem: Problem) -> Plan:
     return _fused_plan(problem)
 
 
+def _stages(tuning: dict, key: str) -> dict:
+    """The launch's ``num_stages`` when a benchmark's ``tuning`` sets ``key``, else Triton's default."""
+    return {"num_stages": tuning[key]} if key in tuning else {}
+
+
 def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
     ``means_warps``, ``centroid_bd`` (head dims per centroid program), ``block_i``, ``bj`` (key
@@ -222,7 +227,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         SEL=sel, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
         DOT=precision, SCORES_HERE=scores_here,
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
-        **({"num_stages": tuning["select_stages"]} if "select_stages" in tuning else {}))
+        **_stages(tuning, "select_stages"))
     tail_lse = torch.empty(G, n, dtype=f32, device=dev) if tail else m
     tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if tail else m
     coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
@@ -238,7 +243,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
             vm, L, scratch, theta, thr, tail_lse, tail_value, coarse_out, n, s0, s1, q0, q1,
             SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=tuning.get("pool_bj", 16),
             POOL_DOT=tuning.get("pool_dot", precision), num_warps=tuning.get("pool_warps", 8 if bi >= 64 else 4),
-            **({"num_stages": tuning["pool_stages"]} if "pool_stages" in tuning else {}))
+            **_stages(tuning, "pool_stages"))
 
     def bh(x: torch.Tensor) -> torch.Tensor:
         return x.view(B, H, *x.shape[1:])

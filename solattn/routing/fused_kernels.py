@@ -80,10 +80,32 @@ def centroid_kernel(Km, Mout, Var, n,
 
 
 @gpu_jit
+def mean_rows(Means, gn, rows, ok, HEAD_DIM: tl.constexpr):
+    """Block means ``rows`` of one batch * head from an ``(G n, HEAD_DIM)`` fp32 table whose row
+    ``gn`` is the head's first (0 where not ``ok``)."""
+    dims = tl.arange(0, HEAD_DIM)
+    return tl.load(Means + (gn + rows)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+
+
+@gpu_jit
+def score_ptrs(Scores, gn, ii, jj, n):
+    """Where the routing scores of query blocks ``ii`` against key blocks ``jj`` of one batch *
+    head are kept: the ``(G, n, n)`` fp32 scratch that the scores, select and pooled-terms kernels
+    share."""
+    return Scores + (gn + ii)[:, None] * n + jj[None, :]
+
+
+@gpu_jit
+def score_tile(Scores, gn, ii, jj, ii_ok, jj_ok, n):
+    """The stored scores of query blocks ``ii`` against key blocks ``jj`` (0 outside ``ii_ok`` x
+    ``jj_ok``): what the select and pooled-terms kernels both decide from."""
+    return tl.load(score_ptrs(Scores, gn, ii, jj, n), mask=ii_ok[:, None] & jj_ok[None, :], other=0.0)
+
+
+@gpu_jit
 def centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM: tl.constexpr, DOT: tl.constexpr):
     """``c q . (km_j - m)`` of query-block means ``q`` against key blocks ``jj`` (0 where not ``ok``)."""
-    dims = tl.arange(0, HEAD_DIM)
-    kmc = tl.load(Km + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+    kmc = mean_rows(Km, gn, jj, ok, HEAD_DIM)
     kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
     return tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
 
@@ -101,11 +123,11 @@ def scores_kernel(Qm, Km, Mean, Scores, n, c,
     dims = tl.arange(0, HEAD_DIM)
     gn = g * n
     row_ok = ii < n
-    q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q = mean_rows(Qm, gn, ii, row_ok, HEAD_DIM)
     m = tl.load(Mean + g * HEAD_DIM + dims)
     ok = jj < n
     r = centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM, DOT)
-    tl.store(Scores + (gn + ii)[:, None] * n + jj[None, :], r, mask=row_ok[:, None] & ok[None, :])
+    tl.store(score_ptrs(Scores, gn, ii, jj, n), r, mask=row_ok[:, None] & ok[None, :])
 
 
 @gpu_jit
@@ -172,7 +194,7 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
     thr = tl.zeros([BLOCK_I], tl.float32)
     theta = tl.zeros([BLOCK_I], tl.int32)
     if SCORES_HERE or SEL == 0:
-        q = tl.load(Qm + (gn + ii)[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
+        q = mean_rows(Qm, gn, ii, row_ok, HEAD_DIM)
     if SEL == 0:
         var = tl.load(Var + g * HEAD_DIM + dims)
         thr = tau * tl.sqrt(cc * tl.sum(q * q * var[None, :], 1) + 1e-6)
@@ -184,7 +206,7 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
             jj = j0 + cols
             ok = jj < n
             r = centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM, DOT)
-            tl.store(Scratch + (gn + ii)[:, None] * n + jj[None, :], r, mask=row_ok[:, None] & ok[None, :])
+            tl.store(score_ptrs(Scratch, gn, ii, jj, n), r, mask=row_ok[:, None] & ok[None, :])
         tl.debug_barrier()
     if SEL == 1:
         # the kk-th largest score per row (bisection over keys) from the scratch
@@ -193,8 +215,7 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
         for r0 in range(0, BLOCK_I, RB):
             rr = i0 + r0 + tl.arange(0, RB)
             rok = rr < n
-            r = tl.load(Scratch + (gn + rr)[:, None] * n + allc[None, :],
-                        mask=rok[:, None] & cand_ok[None, :], other=0.0)
+            r = score_tile(Scratch, gn, rr, allc, rok, cand_ok, n)
             key = order_key(r)
             # bisection between the row's smallest and largest candidate keys, with the
             # invariant cnt_lo = count(key >= lo) >= kk > count(key >= hi). A row is settled when
@@ -222,7 +243,7 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
     for j0 in range(0, n, BJ):
         jj = j0 + cols
         ok = jj < n
-        r = tl.load(Scratch + (gn + ii)[:, None] * n + jj[None, :], mask=row_ok[:, None] & ok[None, :], other=0.0)
+        r = score_tile(Scratch, gn, ii, jj, row_ok, ok, n)
         sel = exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, SEL, BLOCK_I, BJ)
         L = tl.load(Lens + jj, mask=ok, other=BLOCK)
         touches = tl.maximum(touches, tl.max((sel & (L < BLOCK)[None, :]).to(tl.int32), 1))
@@ -278,8 +299,8 @@ def pooled_kernel(Vm, Lens, Scratch, Theta, Thr, TailLse, TailValue, Coarse,
     for j0 in range(0, n, BJ):
         jj = j0 + cols
         ok = jj < n
-        r = tl.load(Scratch + (gn + ii)[:, None] * n + jj[None, :], mask=row_ok[:, None] & ok[None, :], other=0.0)
-        vm = tl.load(Vm + (gn + jj)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        r = score_tile(Scratch, gn, ii, jj, row_ok, ok, n)
+        vm = mean_rows(Vm, gn, jj, ok, HEAD_DIM)
         if HAS_TAIL:
             sel = exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, SEL, BI, BJ)
             L = tl.load(Lens + jj, mask=ok, other=1)
