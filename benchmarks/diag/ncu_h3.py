@@ -14,12 +14,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import solattn  # noqa: E402
+from plan_h3_fused import MODES as H3_MODES  # noqa: E402
 from solattn.testing import make_qkv  # noqa: E402
 
-MODES = {"tau": dict(tau=1.0, tail=True), "topk20": dict(topk_ratio=0.2, tail=False),
-         "topk10": dict(topk_ratio=0.1, tail=False)}
+#: command-line name -> sol_attn keywords, the modes of the other H3 diagnostics
+MODES = dict(zip(("topk10", "topk20", "tau"), (kw for _, kw in H3_MODES)))
 
 if __name__ == "__main__":
     dev = torch.device("cuda")
