@@ -18,20 +18,24 @@ two 64-row query blocks of one (batch, head) and three partitions:
   last block again and masks it to -inf). ``LOAD_V=False`` is a diagnostic that never loads the
   values (meaningless output, half the bytes, the same arithmetic). ``Q_IN_REGS`` keeps each
   consumer's query tile in registers, its shared memory lent to the value ring (written after the
-  runs below and compile-checked for sm_90 only: 3 key + 4 value slots, 225 KB, no spills).
+  session-16 runs: 3 key + 4 value slots, 225 KB, no spills).
 
 Outcome on an H200 (``benchmarks/results/h200/session16``): the output is bit-identical to the
-production kernel's with one block per step, and every variant ran slower than it, at 0.57-0.98x
-(the best: one block per step without turns, 0.91-0.98x, and two blocks per step with 2 key and 4
-value slots in ping-pong, 0.94-0.96x); skipping the value loads bought 2.9-4.8 %. Neither the
-softmax/product overlap nor the bytes is what limits the kernel, so it stays a benchmark, not a
-backend.
+production kernel's with one block per step, and every session-16 variant ran slower than it, at
+0.57-0.98x (the best: one block per step without turns, 0.91-0.98x, and two blocks per step with
+2 key and 4 value slots in ping-pong, 0.94-0.96x); skipping the value loads bought 2.9-4.8 %.
+``Q_IN_REGS`` (``session17``), two blocks per step in ping-pong, was the first to pass it where
+lists are long: 0.988x / 1.056x / 1.032x at top-k 10 % / 20 % / tau 1 + tail. That does not reach
+the tau goal, loses at 10 %, and would be a second production kernel on an API that has since
+moved (see below), so it stays a benchmark, not a backend.
 
 Scope (what it was built to measure): no ``key_bias`` (the scale is folded into the softmax's FMA),
 no ``block_len``, contiguous ``(B, T, H, D)`` q, k, v (two-dimensional ``(B*T, H*D)`` TMA
 descriptors), forward only, bf16; tail and coarse branch as the production kernel computes them.
 Key rows of a block cut by T are masked; the rows TMA reads past T (the next batch's tokens, or
-zeros) never reach a stored output. Written against Triton 3.6's Gluon (the GPU host's version).
+zeros) never reach a stored output. Written against Triton 3.6's Gluon (the GPU host's version);
+under Triton 3.9 it does not compile (``tma.async_copy_global_to_shared`` was renamed
+``async_load``).
 
     python benchmarks/diag/pingpong_h3.py check h3   # on an sm_90 GPU: check, then time at H3
 """
