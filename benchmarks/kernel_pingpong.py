@@ -35,7 +35,8 @@ descriptors), forward only, bf16; tail and coarse branch as the production kerne
 Key rows of a block cut by T are masked; the rows TMA reads past T (the next batch's tokens, or
 zeros) never reach a stored output. Written against Triton 3.6's Gluon (the GPU host's version);
 under Triton 3.9 it does not compile (``tma.async_copy_global_to_shared`` was renamed
-``async_load``).
+``async_load``), so importing it where Gluon has ``tma.async_load`` raises an ImportError that
+says so.
 
     python benchmarks/diag/pingpong_h3.py check h3   # on an sm_90 GPU: check, then time at H3
 """
@@ -49,6 +50,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.runtime.jit import constexpr_function
+
+if hasattr(tma, "async_load"):   # Gluon's API moves between Triton releases; 3.6 has no async_load
+    import triton
+    raise ImportError(f"benchmarks/kernel_pingpong.py is written against Triton 3.6's Gluon API "
+                      f"(tma.async_copy_global_to_shared, which later releases replaced by async_load) "
+                      f"and was run with 3.6 only; this is Triton {triton.__version__}. Run it with "
+                      f"triton==3.6.*")
 
 ROWS = 64                  # the routing block: query rows per consumer, keys per step
 BLOCK = gl.constexpr(ROWS)
