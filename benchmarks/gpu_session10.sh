@@ -14,7 +14,8 @@
 #   select_cost diag/select_cost.py: fused-plan launch sweep and e2e GPU timeline at H3
 #   seed_eager  diag/seed_eager.py: host cost of eager seed-shape calls (cProfile)
 #   pingpong    diag/pingpong_h3.py check h3: the ping-pong Gluon kernel (kernel_pingpong.py) against the
-#               production kernel, checked on small shapes, then timed at H3 (session 16; about 4 minutes)
+#               production kernel, checked on small shapes, then timed at H3 (sessions 16-17; about 5 minutes,
+#               needs Triton 3.6)
 #   flex        diag/flex_exact_branch.py at H3's size (T=37248, a multiple of 64): FlexAttention with the
 #               plan as block mask against the sdpa backend's gathers, top-k 10 % and 20 %
 # e.g.  OUT=$OUT EXTRA_PYTHONPATH=$PWD/.whl/ck:$PWD/.whl/xdist bash benchmarks/gpu_session10.sh tests_x backward
