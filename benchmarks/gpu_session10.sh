@@ -16,6 +16,8 @@
 #   pingpong    diag/pingpong_h3.py check h3: the ping-pong Gluon kernel (kernel_pingpong.py) against the
 #               production kernel, checked on small shapes, then timed at H3 (sessions 16-17; about 5 minutes,
 #               needs Triton 3.6)
+#   vsa         diag/vsa_h3.py: video_sparse_attn at H3's size with the fused (VSA rule) and the torch plan
+#               (session 17; about 2 minutes)
 #   flex        diag/flex_exact_branch.py at H3's size (T=37248, a multiple of 64): FlexAttention with the
 #               plan as block mask against the sdpa backend's gathers, top-k 10 % and 20 %
 # e.g.  OUT=$OUT EXTRA_PYTHONPATH=$PWD/.whl/ck:$PWD/.whl/xdist bash benchmarks/gpu_session10.sh tests_x backward
@@ -55,11 +57,13 @@ for step in "$@"; do
                 head -60 "$OUT/seed_eager.txt" | cut -c1-160 ;;
     pingpong) timeout 400 python benchmarks/diag/pingpong_h3.py check h3 > "$OUT/pingpong.txt" 2>&1
               echo "pingpong rc=$?"; grep -c " ok$" "$OUT/pingpong.txt"; grep -E "^##|^\| (production|ping|no turns|diag)" "$OUT/pingpong.txt" ;;
+    vsa) timeout 300 python benchmarks/diag/vsa_h3.py > "$OUT/vsa_h3.txt" 2>&1; echo "vsa rc=$?"
+         grep -E "^##|^\|" "$OUT/vsa_h3.txt" | cut -c1-400 ;;
     flex) for r in 0.1 0.2; do
             timeout 150 python benchmarks/diag/flex_exact_branch.py --T 37248 --H 56 --ratio $r --repeats 5 \
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong flex" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong vsa flex" >&2; exit 2 ;;
   esac
 done

@@ -225,3 +225,100 @@ def test_launch_settings_of_large_problems(mode):
     kw = dict(topk_ratio=0.3) if mode == "topk" else dict(tau=0.5)
     for tuning in ({"rb": 4, "centroid_bd": 16}, {"rb": 1, "centroid_bd": 64}):
         _compare(validate(q, k, v, tail=True, sink_blocks=(0, 1), **kw), tuning=tuning)
+
+
+# VSA's selection through the same kernels (fused.vsa_rule): no neighbours, prefix tiles as sinks
+
+
+def _vsa_problem(grid, segments, seed, gate=False, D=64, H=2):
+    """A VSA call's tiled problem, as video_sparse_attn builds it (prefix tiles, then cubes)."""
+    from solattn.video import DEFAULT_CUBE, _layout, _tiled_gate, _to_tiled
+    T = sum(segments) + grid[0] * grid[1] * grid[2]
+    q, k, v = make_qkv(1, T, H, D, dtype=torch.bfloat16, seed=seed)
+    layout = _layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
+    tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
+    g = torch.rand(q.shape, generator=torch.Generator().manual_seed(seed)).to(q.dtype) if gate else None
+    tg = _tiled_gate(g, tq, layout)
+    return validate(tq, tk, tv, tail=False, block_len=layout.block_len, coarse_gate=tg), layout
+
+
+def _assert_vsa_clear(problem, k_vid, P, mode, margin=1e-4):
+    """The rows' k-th and next largest competing scores differ by more than ``margin`` (relative),
+    so that fp32 rounding in another order cannot change the selection."""
+    from solattn.routing import block_stats
+    stats = block_stats(problem)
+    S = (stats.qm.double() @ stats.km.double().transpose(-1, -2)) * problem.scale
+    kk = k_vid if mode == "exempt" or P == 0 else min(k_vid + P, problem.n)
+    comp = S[..., P:] if mode == "exempt" else S
+    if kk >= comp.shape[-1]:
+        return
+    top = comp.sort(-1, descending=True).values
+    gap = (top[..., kk - 1] - top[..., kk]) / top.abs().amax(-1).clamp_min(1e-30)
+    assert float(gap.min()) > margin, float(gap.min())
+
+
+@pytest.mark.parametrize("mode", ["exempt", "compete"])
+@pytest.mark.parametrize("segments,gate", [((), False), ((100, 30), False), ((70,), True)])
+def test_vsa_plan_matches_torch_plan(mode, segments, gate):
+    from solattn.routing import build_vsa_plan
+    problem, layout = _vsa_problem((5, 6, 7), segments, seed=21, gate=gate)
+    P = layout.num_prefix_blocks
+    assert P == sum(-(-s // 64) for s in segments)
+    n_video = problem.n - P
+    for k_vid in (1, 3, n_video // 2, n_video):
+        _assert_vsa_clear(problem, k_vid, P, mode)
+        want = build_vsa_plan(problem, k_vid, P, mode)
+        got = build_vsa_plan(problem, k_vid, P, mode, fused=True)
+        n = problem.n
+        assert got.kv_indices.shape[-1] == n, "the fused plan's kv_indices are n wide"
+        assert torch.equal(got.kv_num_blocks, want.kv_num_blocks), k_vid
+        M = want.kv_indices.shape[-1]
+        assert torch.equal(got.kv_indices[..., :M], want.kv_indices)
+        assert (got.kv_indices[..., M:] == 0).all()
+        assert torch.equal(got.touches_dead, want.touches_dead)
+        assert torch.equal(got.block_len, want.block_len)
+        mask = got.dense_mask()
+        assert torch.equal(mask, want.dense_mask())
+        # the definition, on the fused plan alone: prefix query tiles attend every tile, a video
+        # query tile keeps k_vid video tiles (ties none: clear margins) plus every prefix tile
+        # ("exempt") or k_vid + P tiles in all ("compete"); no forced neighbours
+        assert mask[:, :, :P].all()
+        if mode == "exempt" or P == 0:
+            assert (mask[:, :, P:, :P]).all()
+            assert (mask[:, :, P:, P:].sum(-1) == k_vid).all()
+        else:
+            assert (mask[:, :, P:].sum(-1) == min(k_vid + P, n)).all()
+        assert (got.coarse is None) == (not gate)
+        if gate:
+            torch.testing.assert_close(got.coarse, want.coarse, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="k_vid"):
+        build_vsa_plan(problem, n_video + 1, P, mode, fused=True)
+
+
+def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch):
+    grid, segments = (4, 8, 8), (70,)
+    T = sum(segments) + 4 * 8 * 8
+    q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, seed=5)
+    gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(6)).to(q.dtype)
+    calls = []
+    real = fused.fused_plan
+
+    def spy(problem, rule=None):
+        calls.append(rule)
+        return real(problem, rule)
+
+    monkeypatch.setattr(fused, "fused_plan", spy)
+    for mode in ("exempt", "compete"):
+        kw = dict(sparsity=0.75, gate=gate, prefix_len=list(segments), prefix_mode=mode)
+        got = solattn.video_sparse_attn(q, k, v, grid, backend="triton", **kw)
+        want = solattn.video_sparse_attn(q.float(), k.float(), v.float(), grid, backend="sdpa", **kw)
+        rel = ((got.float() - want).norm() / want.norm()).item()
+        assert rel < 1e-2, rel
+    assert [r.near for r in calls] == [False, False] and [r.q1 for r in calls] == [2, 2]
+    assert [r.s1 for r in calls] == [2, 0]
+    # a backward that rebuilds the coarse term's plan through torch: the forward's plan is torch's too
+    calls.clear()
+    qg = q.clone().requires_grad_(True)
+    solattn.video_sparse_attn(qg, k, v, grid, backend="triton", sparsity=0.75, gate=gate,
+                              prefix_len=list(segments)).float().sum().backward()
+    assert calls == [] and qg.grad is not None and torch.isfinite(qg.grad).all()

@@ -41,7 +41,7 @@ import functools
 import importlib.util
 import math
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -124,15 +124,51 @@ def _pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def fused_plan(problem: Problem) -> Plan:
+class Rule(NamedTuple):
+    """What the select and pooled-terms kernels select (see :func:`.fused_kernels.exact_blocks`):
+    ``sel`` 0 tau, 1 top-k (the ``kk`` largest scores outside the sink key blocks, ties kept), 2
+    forced blocks only; forced: sink key blocks ``[s0, s1)``, sink query blocks ``[q0, q1)`` and,
+    with ``near``, ``|i - j| <= 1``."""
+    sel: int
+    kk: int
+    s0: int
+    s1: int
+    q0: int
+    q1: int
+    near: bool
+
+
+def sol_attn_rule(problem: Problem) -> Rule:
+    """``sol_attn``'s selection of ``problem`` (tau or top-k, sinks, neighbours)."""
+    s0, s1 = problem.sink_blocks or (0, 0)
+    q0, q1 = problem.sink_q or (0, 0)
+    if problem.topk_ratio == 0.0:
+        return Rule(0, 0, s0, s1, q0, q1, True)
+    kk = topk_count(problem.topk_ratio, problem.n - (s1 - s0))
+    return Rule(1 if kk > 0 else 2, kk, s0, s1, q0, q1, True)
+
+
+def vsa_rule(n: int, k_vid: int, num_prefix_blocks: int, mode: str) -> Rule:
+    """VSA's selection (:mod:`.vsa`; validated arguments) as a :class:`Rule`: prefix query tiles
+    attend every tile (sink query blocks); "exempt" keeps every prefix key tile (sink key blocks)
+    and the ``k_vid`` largest video tiles, "compete" the ``min(k_vid + P, n)`` largest tiles; no
+    neighbours."""
+    P = num_prefix_blocks
+    if mode == "exempt" or P == 0:
+        return Rule(1, k_vid, 0, P, 0, P, False)
+    return Rule(1, min(k_vid + P, n), 0, 0, 0, P, False)
+
+
+def fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
     """``problem``'s :class:`Plan` from the Triton kernels (see the module docstring); the same
-    selection, tail and coarse terms as :func:`solattn.routing.build_plan`'s torch path, except
-    that ``kv_indices`` is ``n`` wide. No host synchronisation; no autograd graph (callers check
-    :func:`fused_plan_usable`)."""
+    selection, tail and coarse terms as :func:`solattn.routing.build_plan`'s torch path (with
+    ``rule``, e.g. :func:`vsa_rule`: that selection instead of ``sol_attn``'s, as
+    :func:`solattn.routing.build_vsa_plan` makes it), except that ``kv_indices`` is ``n`` wide.
+    No host synchronisation; no autograd graph (callers check :func:`fused_plan_usable`)."""
     if problem.device.type == "cuda":
         with torch.cuda.device(problem.device):     # Triton launches on the current device
-            return _fused_plan(problem)
-    return _fused_plan(problem)
+            return _fused_plan(problem, rule=rule)
+    return _fused_plan(problem, rule=rule)
 
 
 def _stages(tuning: dict, key: str) -> dict:
@@ -140,8 +176,8 @@ def _stages(tuning: dict, key: str) -> dict:
     return {"num_stages": tuning[key]} if key in tuning else {}
 
 
-def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
-    """``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
+def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[Rule] = None) -> Plan:
+    """``rule``: the selection (default :func:`sol_attn_rule`). ``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
     ``means_warps``, ``centroid_bd`` (head dims per centroid program), ``block_i``, ``bj`` (key
     blocks per column chunk), ``rb`` (rows per bisection tile), ``select_warps``, ``select_stages``,
     ``scores_tile``, ``scores_warps``, ``scores_here`` (the select kernel computes the scores
@@ -172,7 +208,9 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         *q.stride(), *k.stride(), *v.stride(), T, H, n,
         HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 2 if D <= 128 else 4))
 
-    tau_mode = problem.topk_ratio == 0.0
+    rule = rule or sol_attn_rule(problem)
+    sel, kk, s0, s1, q0, q1 = rule[:6]
+    tau_mode = sel == 0
     m = torch.empty(G, D, dtype=f32, device=dev)
     var = torch.empty(G, D, dtype=f32, device=dev) if tau_mode else m
     bd = tuning.get("centroid_bd", min(D, 32))
@@ -180,14 +218,6 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         km, m, var, n, NEED_VAR=tau_mode, HEAD_DIM=D, BD=bd, BJ=max(16, min(256, _pow2(n), 8192 // bd)),
         num_warps=4)
 
-    s0, s1 = problem.sink_blocks or (0, 0)
-    q0, q1 = problem.sink_q or (0, 0)
-    kk = 0
-    if tau_mode:
-        sel = 0
-    else:
-        kk = topk_count(problem.topk_ratio, n - (s1 - s0))
-        sel = 1 if kk > 0 else 2
     # launch parameters from sweeps on an H200 at D=128 (benchmarks/diag/plan_h3_fused.py sweep,
     # select_cost.py): with tf32x3 products, 16-row tiles in 4 warps ran the select kernel in
     # 0.68-0.77 ms at H3 (with the tail, which it then also computed) against 0.91-1.20 ms with 32
@@ -224,7 +254,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
     compiled(interpret, fk.select_kernel)[(-(-n // block_i), G)](
         qm, km, m, var, L, scratch, theta, thr, kv_num, kv_idx, touch,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
-        SEL=sel, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
+        SEL=sel, NEAR=rule.near, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
         DOT=precision, SCORES_HERE=scores_here,
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **_stages(tuning, "select_stages"))
@@ -241,7 +271,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None) -> Plan:
         bi = tuning.get("pool_bi", 16)
         compiled(interpret, fk.pooled_kernel)[(-(-n // bi), G)](
             vm, L, scratch, theta, thr, tail_lse, tail_value, coarse_out, n, s0, s1, q0, q1,
-            SEL=sel, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=tuning.get("pool_bj", 16),
+            SEL=sel, NEAR=rule.near, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=tuning.get("pool_bj", 16),
             POOL_DOT=tuning.get("pool_dot", precision), num_warps=tuning.get("pool_warps", 8 if bi >= 64 else 4),
             **_stages(tuning, "pool_stages"))
 

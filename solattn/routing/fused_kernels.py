@@ -157,11 +157,12 @@ def row_tile(n, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BJ: tl.constexpr):
 
 @gpu_jit
 def exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1,
-                 SEL: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr):
+                 SEL: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, NEAR: tl.constexpr):
     """Which pairs of a ``(BI query blocks ii, BJ key blocks jj)`` score tile ``r`` are exact (in
     ``E_i``): above the row's tau threshold ``thr`` (SEL 0), at or above its k-th largest
     non-sink score (order key ``theta``, SEL 1) or neither (SEL 2), then every forced pair
-    (``|i - j| <= 1``, sink key blocks ``[s0, s1)``, sink query blocks ``[q0, q1)``). The select
+    (``|i - j| <= 1`` when ``NEAR``: sol_attn's neighbours, not VSA's; sink key blocks ``[s0, s1)``,
+    sink query blocks ``[q0, q1)``). The select
     and the pooled-terms kernels both call this on the same stored scores and thresholds, so
     a block is pooled exactly when it is not listed."""
     if SEL == 0:
@@ -171,8 +172,9 @@ def exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1,
         sel = (order_key(r) >= theta[:, None]) & ~is_sink[None, :]
     else:
         sel = tl.zeros([BI, BJ], tl.int1)
-    near = (jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1)
-    forced = near | ((jj >= s0) & (jj < s1))[None, :] | ((ii >= q0) & (ii < q1))[:, None]
+    forced = ((jj >= s0) & (jj < s1))[None, :] | ((ii >= q0) & (ii < q1))[:, None]
+    if NEAR:
+        forced = forced | ((jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1))
     return (sel | forced) & row_ok[:, None] & ok[None, :]
 
 
@@ -181,6 +183,7 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
                   KvNum, KvIdx, Touch,
                   n, c, cc, tau, kk, s0, s1, q0, q1,
                   SEL: tl.constexpr,          # 0: tau, 1: top-k, 2: forced blocks only
+                  NEAR: tl.constexpr,         # |i - j| <= 1 forced (sol_attn; not VSA)
                   HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
                   NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                   DOT: tl.constexpr,             # tl.dot input_precision of the scores (SCORES_HERE)
@@ -244,7 +247,7 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
         jj = j0 + cols
         ok = jj < n
         r = score_tile(Scratch, gn, ii, jj, row_ok, ok, n)
-        sel = exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, SEL, BLOCK_I, BJ)
+        sel = exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, SEL, BLOCK_I, BJ, NEAR)
         L = tl.load(Lens + jj, mask=ok, other=BLOCK)
         touches = tl.maximum(touches, tl.max((sel & (L < BLOCK)[None, :]).to(tl.int32), 1))
         seli = sel.to(tl.int32)
@@ -274,7 +277,7 @@ def pooled_update(z, mx, sm, acc, vm, POOL_DOT: tl.constexpr):
 @gpu_jit
 def pooled_kernel(Vm, Lens, Scratch, Theta, Thr, TailLse, TailValue, Coarse,
                   n, s0, s1, q0, q1,
-                  SEL: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
+                  SEL: tl.constexpr, NEAR: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr,
                   POOL_DOT: tl.constexpr):      # tl.dot input_precision of the p @ vm products
     """The pooled terms of BI query-block rows of one batch * head, by an online softmax over
@@ -302,7 +305,7 @@ def pooled_kernel(Vm, Lens, Scratch, Theta, Thr, TailLse, TailValue, Coarse,
         r = score_tile(Scratch, gn, ii, jj, row_ok, ok, n)
         vm = mean_rows(Vm, gn, jj, ok, HEAD_DIM)
         if HAS_TAIL:
-            sel = exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, SEL, BI, BJ)
+            sel = exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, SEL, BI, BJ, NEAR)
             L = tl.load(Lens + jj, mask=ok, other=1)
             # base-2 logits of the pooled tail: scale qm.kmc / ln 2 + log2 L_j
             z = tl.where(sel | ~ok[None, :], float("-inf"), r + tl.log2(L.to(tl.float32))[None, :])

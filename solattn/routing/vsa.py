@@ -40,10 +40,8 @@ def vsa_topk_from_sparsity(sparsity: float, n_video: int) -> int:
     return max(1, min(math.ceil((1 - float(sparsity)) * n_video), n_video))
 
 
-def vsa_selector(stats: BlockStats, k_vid: int, num_prefix_blocks: int = 0, mode: str = "exempt",
-                 scale: float = 1.0, topk_method: Optional[str] = None) -> Selector:
-    """The chunk rule of VSA's selection (see the module docstring); validated arguments."""
-    B, H, n, D = stats.qm.shape
+def _check_vsa_args(n: int, k_vid: int, num_prefix_blocks: int, mode: str) -> int:
+    """The number of prefix tiles, after checking VSA's arguments against ``n`` tiles."""
     P, n_video = int(num_prefix_blocks), n - int(num_prefix_blocks)
     if not 0 <= P < n:
         raise ValueError(f"VSA selection: argument 'num_prefix_blocks' received {num_prefix_blocks!r}; "
@@ -53,6 +51,15 @@ def vsa_selector(stats: BlockStats, k_vid: int, num_prefix_blocks: int = 0, mode
                          f"allowed: an int 1 <= k_vid <= {n_video} (the number of video tiles)")
     if mode not in PREFIX_MODES:
         raise ValueError(f"VSA selection: argument 'mode' received {mode!r}; allowed: one of {PREFIX_MODES}")
+    return P
+
+
+def vsa_selector(stats: BlockStats, k_vid: int, num_prefix_blocks: int = 0, mode: str = "exempt",
+                 scale: float = 1.0, topk_method: Optional[str] = None) -> Selector:
+    """The chunk rule of VSA's selection (see the module docstring); validated arguments."""
+    B, H, n, D = stats.qm.shape
+    P = _check_vsa_args(n, k_vid, num_prefix_blocks, mode)
+    n_video = n - P
     G, dev = B * H, stats.qm.device
     qm, km = stats.qm.reshape(G, n, D), stats.km.reshape(G, n, D)
     exempt = mode == "exempt" or P == 0
@@ -87,12 +94,20 @@ def select_vsa(stats: BlockStats, k_vid: int, num_prefix_blocks: int = 0, mode: 
 
 
 def build_vsa_plan(problem: Problem, k_vid: int, num_prefix_blocks: int = 0, mode: str = "exempt",
-                   topk_method: Optional[str] = None) -> Plan:
+                   topk_method: Optional[str] = None, fused: bool = False) -> Plan:
     """The routing plan of a VSA call.
 
     ``problem`` is the tiled layout (prefix tiles, then cube tiles, ``block_len`` set, no tail);
     its ``coarse_gate``, when set, makes the plan carry the coarse term over all tiles.
+    ``fused=True``: from the Triton kernels where :func:`.fused.fused_plan_usable` allows it, as
+    :func:`solattn.routing.build_plan` does (``kv_indices`` then ``n`` wide, for the ``triton``
+    backend).
     """
+    if fused:
+        from .fused import fused_plan, fused_plan_usable, vsa_rule
+        if fused_plan_usable(problem):
+            P = _check_vsa_args(problem.n, k_vid, num_prefix_blocks, mode)
+            return fused_plan(problem, vsa_rule(problem.n, k_vid, P, mode))
     stats = block_stats(problem)
     rule = vsa_selector(stats, k_vid, num_prefix_blocks, mode, problem.scale, topk_method)
     return assemble_plan(problem, stats, rule, tail=False, coarse=problem.coarse_gate is not None)
