@@ -44,6 +44,29 @@ GRID, PREFIX, H, D, SPARSITY = (16, 48, 48), [432], 56, 128, 0.9
 CASES = (("exempt", False), ("compete", False), ("exempt", True))
 
 
+def near_tie_gaps(problem, got, want, k_vid, P, mode):
+    """For each row whose block set differs between the plans: the gap between its k-th and
+    (k+1)-th largest competing score in fp64, over the row's largest |score| (a near tie when
+    it is at fp32 rounding, ~1e-7)."""
+    from solattn.routing import block_stats
+    rows = (got.dense_mask() != want.dense_mask()).any(-1).flatten().nonzero().flatten()
+    if rows.numel() == 0:
+        return []
+    stats = block_stats(problem)
+    n = problem.n
+    qm = stats.qm.double().reshape(-1, n, D)
+    km = stats.km.double().reshape(-1, n, D)
+    kk = k_vid if mode == "exempt" else min(k_vid + P, n)
+    out = []
+    for r in rows.tolist()[:8]:
+        g, i = divmod(r, n)
+        S = (qm[g, i] @ km[g].T) * problem.scale
+        comp = S[P:] if mode == "exempt" else S
+        top = comp.sort(descending=True).values
+        out.append(float((top[kk - 1] - top[kk]) / top.abs().max()))
+    return out
+
+
 def main():
     T = sum(PREFIX) + GRID[0] * GRID[1] * GRID[2]
     q, k, v = make_qkv(1, T, H, D, dtype=torch.bfloat16, device=dev, seed=0)
@@ -68,12 +91,16 @@ def main():
             want = build_vsa_plan(problem, k_vid, P, mode)
             got = build_vsa_plan(problem, k_vid, P, mode, fused=True)
             diff = differing_rows(got, want)
+            gaps = near_tie_gaps(problem, got, want, k_vid, P, mode)
             t_torch = med(lambda: build_vsa_plan(problem, k_vid, P, mode), 10, 2)
             t_fused = med(lambda: build_vsa_plan(problem, k_vid, P, mode, fused=True), 10, 2)
             kt_f = kernel_table(lambda: build_vsa_plan(problem, k_vid, P, mode, fused=True))
             coarse = "" if not with_gate else f", coarse rel {rel_l2(got.coarse, want.coarse):.1e}"
             print(f"## {label}: k_vid {k_vid} of {n_video}; torch plan {t_torch:.3f} ms, fused plan "
                   f"{t_fused:.3f} ms, rows differing {diff}{coarse}; fused kernels: {kt_f}", flush=True)
+            if gaps:
+                print(f"   differing rows' gap between the k-th and next competing score (fp64, relative to "
+                      f"the row's largest |score|): {', '.join(f'{g:.1e}' for g in gaps)}", flush=True)
             kept = int(got.kv_num_blocks.sum())
             del want, got
 
