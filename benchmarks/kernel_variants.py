@@ -48,7 +48,7 @@ def half_loop(
     if MATH_ONLY:
         # the first listed block, loaded once before the loop
         k, v, tok0, live0, ragged0 = key_block(K, V, idx_row, 0, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd,
-                                               BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
+                                               BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA, False)
         for step in range(0, count):
             s = logits(q, k, tok0, live0, ragged0, KeyBias + b * s_bias_b, qk_scale, HAS_BIAS, FOLD_SCALE)
             p, alpha, m_i, l_i = softmax_update(s, m_i, l_i, qk_scale, FOLD_SCALE)
@@ -56,7 +56,7 @@ def half_loop(
     else:
         for step in range(0, count):
             k, v, tok_k, live, ragged = key_block(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh,
-                                                  svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
+                                                  svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA, False)
             acc += k.to(tl.float32) + v.to(tl.float32)
             l_i += 1.0
     write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,

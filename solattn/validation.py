@@ -50,6 +50,9 @@ class Problem:
     block_len: Optional[torch.Tensor]
     coarse_gate: Optional[torch.Tensor]
     token_aug: int = 0
+    #: block_len's dead rows of k and v hold zeros (VSA's tiled layout writes them), so a kernel may
+    #: read them unmasked (the triton backend's TMA loads); a caller's own block_len promises nothing
+    dead_rows_zero: bool = False
 
     @property
     def B(self) -> int:

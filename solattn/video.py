@@ -15,6 +15,7 @@ token order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -279,6 +280,7 @@ def _vsa_forward(q, k, v, grid, k_vid: int, gate, scale, backend: Optional[str],
     tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
     tg = _tiled_gate(gate, tq, layout)              # the backend applies plan.coarse with it
     problem = validate(tq, tk, tv, scale=scale, tail=False, block_len=layout.block_len, coarse_gate=tg)
+    problem = dataclasses.replace(problem, dead_rows_zero=True)    # _to_tiled wrote them
     chosen = _plan_backend(problem, explicit)
     # the fused (GPU) plan where the backend takes one, except when a backward will rebuild the
     # coarse term's plan through the torch path: both passes then select alike (as sol_attn does)

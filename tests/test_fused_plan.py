@@ -308,6 +308,16 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch):
         return real(problem, rule)
 
     monkeypatch.setattr(fused, "fused_plan", spy)
+    from solattn.backends.triton import backend as tb
+    tma_calls = []
+    real_tma_ok = tb._tma_ok
+
+    def tma_spy(problem, interpret):
+        tma_calls.append(real_tma_ok(problem, interpret))
+        return tma_calls[-1]
+
+    monkeypatch.setattr(tb, "_tma_ok", tma_spy)
+    monkeypatch.setattr(tb, "TMA_MIN_PROGRAMS", 0)         # descriptors at this small size too
     for mode in ("exempt", "compete"):
         kw = dict(sparsity=0.75, gate=gate, prefix_len=list(segments), prefix_mode=mode)
         got = solattn.video_sparse_attn(q, k, v, grid, backend="triton", **kw)
@@ -316,9 +326,41 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch):
         assert rel < 1e-2, rel
     assert [r.near for r in calls] == [False, False] and [r.q1 for r in calls] == [2, 2]
     assert [r.s1 for r in calls] == [2, 0]
+    # the tiled layout's dead rows (the prefix's partial tile) are zeros: TMA loads with block_len
+    assert tma_calls == [True, True]
     # a backward that rebuilds the coarse term's plan through torch: the forward's plan is torch's too
     calls.clear()
     qg = q.clone().requires_grad_(True)
     solattn.video_sparse_attn(qg, k, v, grid, backend="triton", sparsity=0.75, gate=gate,
                               prefix_len=list(segments)).float().sum().backward()
     assert calls == [] and qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+def test_tma_with_block_len_only_where_dead_rows_are_zeros(monkeypatch):
+    """A caller's block_len promises nothing about its dead rows (they may hold NaN): the triton
+    backend keeps pointer loads there; VSA's tiled problems (dead_rows_zero) take TMA loads."""
+    import dataclasses
+    from solattn.backends.triton import backend as tb
+    monkeypatch.setattr(tb, "TMA_MIN_PROGRAMS", 0)         # descriptors at this small size too
+    q, k, v = make_qkv(1, 256, 1, 64, dtype=torch.bfloat16, seed=8)
+    block_len = torch.tensor([64, 40, 64, 10], dtype=torch.int32)
+    k, v = k.clone(), v.clone()
+    for j, L in enumerate(block_len.tolist()):
+        k[:, j * 64 + L:(j + 1) * 64] = float("nan")
+        v[:, j * 64 + L:(j + 1) * 64] = float("nan")
+    problem = validate(q, k, v, topk_ratio=0.5, tail=False, block_len=block_len)
+    assert not tb._tma_ok(problem, True)
+    out = TritonBackend().forward(problem, build_plan(problem, fused=True))
+    assert torch.isfinite(out[:, :64 + 40]).all()
+    zeroed = dataclasses.replace(problem, dead_rows_zero=True)
+    assert tb._tma_ok(zeroed, True)
+    kz, vz = torch.nan_to_num(k, nan=0.0), torch.nan_to_num(v, nan=0.0)
+    pz = dataclasses.replace(validate(q, kz, vz, topk_ratio=0.5, tail=False, block_len=block_len),
+                             dead_rows_zero=True)
+    plan = build_plan(pz, fused=True)
+    got = TritonBackend().forward(pz, plan)               # TMA loads, dead keys masked by block_len
+    pointer = TritonBackend().forward(dataclasses.replace(pz, dead_rows_zero=False), plan)
+    assert torch.equal(got, pointer), "the same keys and arithmetic as the pointer loads"
+    want = solattn.sol_attn(q, kz, vz, topk_ratio=0.5, tail=False, block_len=block_len, backend="sdpa")
+    live = torch.cat([torch.arange(j * 64, j * 64 + L) for j, L in enumerate(block_len.tolist())])
+    torch.testing.assert_close(got[:, live].float(), want[:, live].float(), rtol=2 ** -7, atol=2 ** -7)

@@ -172,9 +172,10 @@ def exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1,
         sel = (order_key(r) >= theta[:, None]) & ~is_sink[None, :]
     else:
         sel = tl.zeros([BI, BJ], tl.int1)
-    forced = ((jj >= s0) & (jj < s1))[None, :] | ((ii >= q0) & (ii < q1))[:, None]
-    if NEAR:
-        forced = forced | ((jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1))
+    forced = tl.zeros([BI, BJ], tl.int1)
+    if NEAR:        # (written first, sol_attn's specialisations compile as before NEAR existed)
+        forced = (jj[None, :] >= ii[:, None] - 1) & (jj[None, :] <= ii[:, None] + 1)
+    forced = forced | ((jj >= s0) & (jj < s1))[None, :] | ((ii >= q0) & (ii < q1))[:, None]
     return (sel | forced) & row_ok[:, None] & ok[None, :]
 
 

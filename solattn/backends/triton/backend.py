@@ -247,14 +247,16 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
         FOLD_SCALE=not ops.has_bias and problem.scale > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(constexprs or {}),
         **({"WRITE_LSE": True} if lse is not None else {}),
+        **({"TMA_LEN": True} if use_tma and problem.block_len is not None else {}),
     )
     return out
 
 
 def _tma_ok(problem: Problem, interpret: bool) -> bool:
     """TMA descriptors need sm_90+, a contiguous last dim and 16-byte aligned strides and bases;
-    dead rows inside T (block_len) would be read unmasked, so block_len keeps the pointer path."""
-    if problem.block_len is not None:
+    dead rows inside T (block_len) are read unmasked, so block_len keeps the pointer path unless
+    they are known to hold zeros (``Problem.dead_rows_zero``: VSA's tiled layout)."""
+    if problem.block_len is not None and not problem.dead_rows_zero:
         return False
     if not interpret:
         if problem.device.type != "cuda" or torch.cuda.get_device_capability(problem.device)[0] < 9:

@@ -116,7 +116,7 @@ def block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS: tl.constexpr):
 
 @gpu_jit
 def key_block(K, V, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
-              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr):
+              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr, TMA_LEN: tl.constexpr):
     """The ``step``-th listed key block: ``(k, v, tok_k, live, ragged)``, ``live`` its key rows that
     are keys and ``ragged`` whether any is not (a block cut by T or by block_len). K and V are both
     asked for here, before the caller's softmax, which gives their loads the whole step to land
@@ -126,9 +126,15 @@ def key_block(K, V, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh
     kv_block = tl.load(KvIdx_row + step)
     tok_k = (kv_block * BLOCK + rows).to(tl.int64)
     if KV_TMA:
-        # without block_len the only dead rows are past T, which the descriptor zero-fills
-        live = tok_k < T
-        ragged = kv_block * BLOCK + BLOCK > T
+        if TMA_LEN:
+            # block_len whose dead rows hold zeros (Problem.dead_rows_zero): read, then never keys
+            blen = tl.load(BlockLen + kv_block)
+            live = rows < blen
+            ragged = blen < BLOCK
+        else:
+            # without block_len the only dead rows are past T, which the descriptor zero-fills
+            live = tok_k < T
+            ragged = kv_block * BLOCK + BLOCK > T
         k = K.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
         v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
     else:
@@ -233,6 +239,7 @@ def sol_attn_fwd(
     HAS_COARSE: tl.constexpr,
     KV_TMA: tl.constexpr,          # K, V are (B, T, H, D) TMA descriptors (no block_len) instead of pointers
     FOLD_SCALE: tl.constexpr,      # no key_bias and qk_scale > 0: scale folded into the softmax's FMA
+    TMA_LEN: tl.constexpr = False,    # KV_TMA with block_len (its dead rows hold zeros)
     WRITE_LSE: tl.constexpr = False,  # also store each row's base-2 log-sum-exp and the output's
                                       # rounding residual (for the backward)
 ):
@@ -244,7 +251,8 @@ def sol_attn_fwd(
     bias_row = KeyBias + b * s_bias_b
     for step in range(0, count):
         k, v, tok_k, live, ragged = key_block(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd,
-                                              svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA)
+                                              svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA,
+                                              TMA_LEN)
         s = logits(q, k, tok_k, live, ragged, bias_row, qk_scale, HAS_BIAS, FOLD_SCALE)
         p, alpha, m_i, l_i = softmax_update(s, m_i, l_i, qk_scale, FOLD_SCALE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
