@@ -1,0 +1,49 @@
+"""Where one ``video_sparse_attn`` call's GPU time goes at H3's size (the geometry of
+``vsa_h3.py``, exempt prefix, sparsity 0.9): the torch profiler's kernel table of one call.
+
+    python benchmarks/diag/vsa_profile.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import solattn  # noqa: E402
+from solattn.testing import make_qkv  # noqa: E402
+
+GRID, PREFIX, H, D = (16, 48, 48), [432], 56, 128
+
+
+def main():
+    T = sum(PREFIX) + GRID[0] * GRID[1] * GRID[2]
+    q, k, v = make_qkv(1, T, H, D, dtype=torch.bfloat16, device="cuda", seed=0)
+
+    def call():
+        return solattn.video_sparse_attn(q, k, v, GRID, sparsity=0.9, prefix_len=PREFIX, backend="triton")
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    total = 0.0
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / 1e3, e.count, e.key[:90]))
+            total += t / 1e3
+    print(f"one call, GPU kernels {total:.2f} ms in all")
+    for t, c, name in sorted(rows, reverse=True)[:12]:
+        print(f"| {name} | {t:.3f} ms | x{c} |")
+
+
+if __name__ == "__main__":
+    main()
