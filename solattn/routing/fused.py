@@ -1,4 +1,5 @@
-"""The routing plan of ``sol_attn`` in five Triton kernels (GPU inference path).
+"""The routing plan of ``sol_attn`` in five Triton kernels (GPU inference path), and of
+``video_sparse_attn`` through the same kernels with VSA's :class:`Rule` (:func:`vsa_rule`).
 
 The torch plan (:func:`.plan.assemble_plan`) is a few dozen small operations plus one host
 synchronisation (the width of ``kv_indices``); on a GPU at small T it is launch-bound and
