@@ -258,7 +258,9 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     args = (q, k, v, list(grid), int(k_vid), gate, None if scale is None else float(scale),
             backend or "", list(segments), prefix_mode, want_lse)
     if not want_lse and plain_eager(q, k, v, gate):
-        return _vsa_op_forward(*args)[0]    # (no cuda_graphs: the VSA plan reads its sizes on the host)
+        # not through cuda_graphs(): the torch VSA plan reads its sizes on the host (the fused
+        # plan, on CUDA with the triton backend, no longer does; not wired to graphs yet)
+        return _vsa_op_forward(*args)[0]
     return _vsa_op(*args)[0]
 
 
