@@ -102,7 +102,8 @@ def block_means(x: torch.Tensor, L: torch.Tensor, all_live: bool = False,
     """Mean over the live rows of each 64-token block.
 
     ``x``: ``(B, T, H, D)`` any float dtype and strides; ``L``: ``(n,)`` int32; ``all_live``:
-    the caller knows every row before T is live (no ``block_len``), so no mask is applied.
+    the caller knows every row before T is live (no ``block_len``) or that the dead rows hold
+    zeros, so no mask is applied.
     Returns ``(B, H, n, D)`` fp32. Sums read x in its own dtype and accumulate in fp32;
     masking (dead rows) works chunk by chunk, so at most ``chunk_bytes`` of temporaries exist
     at a time (default: 256 MiB, at most a quarter of the ``sdpa`` memory budget). No host
@@ -179,7 +180,8 @@ def _block_sums_cpu(xs, L: torch.Tensor, all_live: bool, out: torch.Tensor) -> N
 def block_stats(problem: Problem) -> BlockStats:
     """Block means of q, k, v over live rows and the key centroid ``m`` (SPEC.md, "Pooled statistics")."""
     L = live_lengths(problem)
-    all_live = problem.block_len is None
+    # the dead rows need masking out of the sums unless they hold zeros (VSA's tiled layout)
+    all_live = problem.block_len is None or problem.dead_rows_zero
     qkv = (problem.q, problem.k, problem.v)
     if problem.device.type == "cpu" and not (torch.is_grad_enabled() and any(x.requires_grad for x in qkv)):
         # q, k, v summed into one buffer and divided by L in one op (fewer, larger ops)
