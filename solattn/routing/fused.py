@@ -178,9 +178,10 @@ def _stages(tuning: dict, key: str) -> dict:
 
 
 def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[Rule] = None) -> Plan:
-    """``rule``: the selection (default :func:`sol_attn_rule`). ``tuning`` (benchmarks only): launch parameters replacing the chosen ones, keys
-    ``means_warps``, ``centroid_bd`` (head dims per centroid program), ``block_i``, ``bj`` (key
-    blocks per column chunk), ``rb`` (rows per bisection tile), ``select_warps``, ``select_stages``,
+    """``rule``: the selection (default :func:`sol_attn_rule`). ``tuning`` (benchmarks only):
+    launch parameters replacing the chosen ones, keys ``means_warps``, ``centroid_bd`` (head dims
+    per centroid program), ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
+    bisection tile), ``select_warps``, ``select_stages``,
     ``scores_tile``, ``scores_warps``, ``scores_here`` (the select kernel computes the scores
     instead of the scores kernel), and for the pooled-terms kernel ``pool_bi`` (query-block rows
     per program), ``pool_bj`` (key blocks per chunk), ``pool_warps``, ``pool_stages`` and
@@ -210,7 +211,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
         HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 2 if D <= 128 else 4))
 
     rule = rule or sol_attn_rule(problem)
-    sel, kk, s0, s1, q0, q1 = rule[:6]
+    sel, kk, s0, s1, q0, q1, near = rule
     tau_mode = sel == 0
     m = torch.empty(G, D, dtype=f32, device=dev)
     var = torch.empty(G, D, dtype=f32, device=dev) if tau_mode else m
@@ -255,7 +256,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     compiled(interpret, fk.select_kernel)[(-(-n // block_i), G)](
         qm, km, m, var, L, scratch, theta, thr, kv_num, kv_idx, touch,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
-        SEL=sel, NEAR=rule.near, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
+        SEL=sel, NEAR=near, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
         DOT=precision, SCORES_HERE=scores_here,
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **_stages(tuning, "select_stages"))
@@ -272,7 +273,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
         bi = tuning.get("pool_bi", 16)
         compiled(interpret, fk.pooled_kernel)[(-(-n // bi), G)](
             vm, L, scratch, theta, thr, tail_lse, tail_value, coarse_out, n, s0, s1, q0, q1,
-            SEL=sel, NEAR=rule.near, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=tuning.get("pool_bj", 16),
+            SEL=sel, NEAR=near, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=tuning.get("pool_bj", 16),
             POOL_DOT=tuning.get("pool_dot", precision), num_warps=tuning.get("pool_warps", 8 if bi >= 64 else 4),
             **_stages(tuning, "pool_stages"))
 
