@@ -9,6 +9,8 @@ they are compared with fp32 tolerances. Shapes are tiny (T <= 600, H <= 2).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -364,3 +366,21 @@ def test_tma_with_block_len_only_where_dead_rows_are_zeros(monkeypatch):
     want = solattn.sol_attn(q, kz, vz, topk_ratio=0.5, tail=False, block_len=block_len, backend="sdpa")
     live = torch.cat([torch.arange(j * 64, j * 64 + L) for j, L in enumerate(block_len.tolist())])
     torch.testing.assert_close(got[:, live].float(), want[:, live].float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("mode", ["exempt", "compete"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_vsa_plan_with_an_infinite_key_matches_torch_plan(mode, value):
+    """VSA ranks tiles by the uncentred S = qm . km (vsa_rule(centre=False)): an infinite key in one
+    tile moves that tile's column only. Centred by the key centroid, it made m infinite and every
+    row's scores meaningless (8 of 10 rows selected differently)."""
+    from solattn.routing import build_vsa_plan
+    problem, layout = _vsa_problem((8, 8, 8), (70,), seed=0, H=1, D=32)
+    tk = problem.k.clone()
+    tk[0, layout.slots[75], 0, 3] = value                  # one element of a live row of cube 0
+    problem = dataclasses.replace(problem, k=tk)
+    P = layout.num_prefix_blocks
+    for k_vid in (2, 5):
+        want = build_vsa_plan(problem, k_vid, P, mode)
+        got = build_vsa_plan(problem, k_vid, P, mode, fused=True)
+        assert torch.equal(got.dense_mask(), want.dense_mask()), k_vid

@@ -11,8 +11,8 @@ without tail and coarse terms and with IEEE products) and no sync:
 2. :func:`.fused_kernels.centroid_kernel`, ``D / 32`` programs per batch * head: the key centroid ``m``
    and, in tau mode, the population variance of the centred key means over blocks.
 3. :func:`.fused_kernels.scores_kernel`, one program per (64 x 64 tile of block pairs, batch *
-   head): the routing scores ``scale log2(e) qm_i . (km_j - m)`` into an ``(n, n)`` fp32 scratch
-   per batch * head. A tiled GEMM reads the key means once per 64 query blocks; recomputed
+   head): the routing scores ``scale log2(e) qm_i . (km_j - m)`` (``m = 0`` under VSA's rule) into
+   an ``(n, n)`` fp32 scratch per batch * head. A tiled GEMM reads the key means once per 64 query blocks; recomputed
    inside the select kernel for every 16 query blocks they cost 0.43 ms at H3 on an H200,
    as a separate kernel 0.13 ms. (With IEEE products the select kernel writes them instead.)
 4. :func:`.fused_kernels.select_kernel`, one program per (tile of query-block rows, batch * head),
@@ -129,7 +129,9 @@ class Rule(NamedTuple):
     """What the select and pooled-terms kernels select (see :func:`.fused_kernels.exact_blocks`):
     ``sel`` 0 tau, 1 top-k (the ``kk`` largest scores outside the sink key blocks, ties kept), 2
     forced blocks only; forced: sink key blocks ``[s0, s1)``, sink query blocks ``[q0, q1)`` and,
-    with ``near``, ``|i - j| <= 1``."""
+    with ``near``, ``|i - j| <= 1``. ``centre``: the scores are ``qm . (km - m)`` (sol_attn's, whose
+    tau threshold needs them) rather than ``qm . km`` (VSA's ``S``: the same order per row, and a
+    non-finite key tile then spoils its own column only, not every row through ``m``)."""
     sel: int
     kk: int
     s0: int
@@ -137,6 +139,7 @@ class Rule(NamedTuple):
     q0: int
     q1: int
     near: bool
+    centre: bool = True
 
 
 def sol_attn_rule(problem: Problem) -> Rule:
@@ -156,8 +159,8 @@ def vsa_rule(n: int, k_vid: int, num_prefix_blocks: int, mode: str) -> Rule:
     neighbours."""
     P = num_prefix_blocks
     if mode == "exempt" or P == 0:
-        return Rule(1, k_vid, 0, P, 0, P, False)
-    return Rule(1, min(k_vid + P, n), 0, 0, 0, P, False)
+        return Rule(1, k_vid, 0, P, 0, P, False, False)
+    return Rule(1, min(k_vid + P, n), 0, 0, 0, P, False, False)
 
 
 def fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
@@ -211,7 +214,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
         HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 2 if D <= 128 else 4))
 
     rule = rule or sol_attn_rule(problem)
-    sel, kk, s0, s1, q0, q1, near = rule
+    sel, kk, s0, s1, q0, q1, near, centre = rule
     tau_mode = sel == 0
     m = torch.empty(G, D, dtype=f32, device=dev)
     var = torch.empty(G, D, dtype=f32, device=dev) if tau_mode else m
@@ -245,16 +248,17 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     # select kernel computing the scores itself in 32-row tiles, so there the select kernel
     # writes them (SCORES_HERE).
     scores_here = bool(tuning.get("scores_here", ieee))
+    centroid = m if centre else torch.zeros_like(m)     # what the scores subtract from km
     scratch = torch.empty(G, n, n, dtype=f32, device=dev)
     if not scores_here:
         bm = tuning.get("scores_tile", 64)
         compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // bm), G)](
-            qm, km, m, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, DOT=precision,
+            qm, km, centroid, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, DOT=precision,
             num_warps=tuning.get("scores_warps", 4))
     theta = torch.empty(G, n, dtype=i32, device=dev) if sel == 1 else kv_num
     thr = torch.empty(G, n, dtype=f32, device=dev) if sel == 0 else m
     compiled(interpret, fk.select_kernel)[(-(-n // block_i), G)](
-        qm, km, m, var, L, scratch, theta, thr, kv_num, kv_idx, touch,
+        qm, km, centroid, var, L, scratch, theta, thr, kv_num, kv_idx, touch,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, NEAR=near, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
         DOT=precision, SCORES_HERE=scores_here,
