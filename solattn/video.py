@@ -271,6 +271,14 @@ def _tiled_gate(gate, tq: torch.Tensor, layout: _Layout):
     return gate.expand(tq.shape) if gate.dim() == 0 else _to_tiled(gate, layout)
 
 
+def _tiled_problem(tq, tk, tv, scale, layout: _Layout, gate) -> Problem:
+    """The problem of a call in the tiled layout (``gate`` tiled too), marked ``dead_rows_zero``:
+    :func:`_to_tiled` wrote zeros into the dead rows, so block sums and TMA loads may read them.
+    The forward and the backward's rebuild take it from here, so both sum the same way."""
+    problem = validate(tq, tk, tv, scale=scale, tail=False, block_len=layout.block_len, coarse_gate=gate)
+    return dataclasses.replace(problem, dead_rows_zero=True)
+
+
 def _vsa_forward(q, k, v, grid, k_vid: int, gate, scale, backend: Optional[str], segments, mode: str,
                  buffers: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
     """The computation behind ``video_sparse_attn`` (validated arguments; ``gate``: None, a 0-dim
@@ -281,8 +289,7 @@ def _vsa_forward(q, k, v, grid, k_vid: int, gate, scale, backend: Optional[str],
     layout = _layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
     tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
     tg = _tiled_gate(gate, tq, layout)              # the backend applies plan.coarse with it
-    problem = validate(tq, tk, tv, scale=scale, tail=False, block_len=layout.block_len, coarse_gate=tg)
-    problem = dataclasses.replace(problem, dead_rows_zero=True)    # _to_tiled wrote them
+    problem = _tiled_problem(tq, tk, tv, scale, layout, tg)
     chosen = _plan_backend(problem, explicit)
     # the fused (GPU) plan where the backend takes one, except when a backward will rebuild the
     # coarse term's plan through the torch path: both passes then select alike (as sol_attn does)
@@ -348,7 +355,7 @@ def _vsa_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
         tg = _tiled_gate(gate, tq, layout)
 
         def problem_of(qd, kd, vd):
-            return validate(qd, kd, vd, scale=scale, tail=False, block_len=layout.block_len, coarse_gate=tg)
+            return _tiled_problem(qd, kd, vd, scale, layout, tg)
 
         def make_plan(problem):
             return build_vsa_plan(problem, k_vid, layout.num_prefix_blocks, mode)

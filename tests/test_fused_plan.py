@@ -330,12 +330,22 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch):
     assert [r.s1 for r in calls] == [2, 0]
     # the tiled layout's dead rows (the prefix's partial tile) are zeros: TMA loads with block_len
     assert tma_calls == [True, True]
-    # a backward that rebuilds the coarse term's plan through torch: the forward's plan is torch's too
+    # a backward that rebuilds the coarse term's plan through torch: the forward's plan is torch's too,
+    # and both passes' problems are marked dead_rows_zero (their block sums are taken alike)
     calls.clear()
+    marks = []
+    real_build = solattn.video.build_vsa_plan
+
+    def build_spy(problem, *args, **kwargs):
+        marks.append(problem.dead_rows_zero)
+        return real_build(problem, *args, **kwargs)
+
+    monkeypatch.setattr(solattn.video, "build_vsa_plan", build_spy)
     qg = q.clone().requires_grad_(True)
     solattn.video_sparse_attn(qg, k, v, grid, backend="triton", sparsity=0.75, gate=gate,
                               prefix_len=list(segments)).float().sum().backward()
     assert calls == [] and qg.grad is not None and torch.isfinite(qg.grad).all()
+    assert marks == [True, True], marks
 
 
 def test_tma_with_block_len_only_where_dead_rows_are_zeros(monkeypatch):
