@@ -297,7 +297,7 @@ def test_vsa_plan_matches_torch_plan(mode, segments, gate):
         build_vsa_plan(problem, n_video + 1, P, mode, fused=True)
 
 
-def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch):
+def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, vsa_plan_marks):
     grid, segments = (4, 8, 8), (70,)
     T = sum(segments) + 4 * 8 * 8
     q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, seed=5)
@@ -333,19 +333,12 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch):
     # a backward that rebuilds the coarse term's plan through torch: the forward's plan is torch's too,
     # and both passes' problems are marked dead_rows_zero (their block sums are taken alike)
     calls.clear()
-    marks = []
-    real_build = solattn.video.build_vsa_plan
-
-    def build_spy(problem, *args, **kwargs):
-        marks.append(problem.dead_rows_zero)
-        return real_build(problem, *args, **kwargs)
-
-    monkeypatch.setattr(solattn.video, "build_vsa_plan", build_spy)
+    vsa_plan_marks.clear()
     qg = q.clone().requires_grad_(True)
     solattn.video_sparse_attn(qg, k, v, grid, backend="triton", sparsity=0.75, gate=gate,
                               prefix_len=list(segments)).float().sum().backward()
     assert calls == [] and qg.grad is not None and torch.isfinite(qg.grad).all()
-    assert marks == [True, True], marks
+    assert vsa_plan_marks == [True, True], vsa_plan_marks
 
 
 def test_tma_with_block_len_only_where_dead_rows_are_zeros(monkeypatch):
