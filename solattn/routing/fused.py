@@ -12,9 +12,9 @@ without tail and coarse terms and with IEEE products) and no sync:
    and, in tau mode, the population variance of the centred key means over blocks.
 3. :func:`.fused_kernels.scores_kernel`, one program per (64 x 64 tile of block pairs, batch *
    head): the routing scores ``scale log2(e) qm_i . (km_j - m)`` (``m = 0`` under VSA's rule) into
-   an ``(n, n)`` fp32 scratch per batch * head. A tiled GEMM reads the key means once per 64 query blocks; recomputed
-   inside the select kernel for every 16 query blocks they cost 0.43 ms at H3 on an H200,
-   as a separate kernel 0.13 ms. (With IEEE products the select kernel writes them instead.)
+   an ``(n, n)`` fp32 scratch per batch * head. A tiled GEMM reads the key means once per 64
+   query blocks; recomputed inside the select kernel for every 16 query blocks they cost
+   0.43 ms at H3 on an H200, as a separate kernel 0.13 ms. (With IEEE products the select kernel writes them instead.)
 4. :func:`.fused_kernels.select_kernel`, one program per (tile of query-block rows, batch * head),
    reading the scratch: the threshold (tau) or the k-th largest score (top-k, found by bisection
    over order-preserving int32 keys, ties kept like ``cand >= theta``), each stored for the next
@@ -152,15 +152,12 @@ def sol_attn_rule(problem: Problem) -> Rule:
     return Rule(1 if kk > 0 else 2, kk, s0, s1, q0, q1, True)
 
 
-def vsa_rule(n: int, k_vid: int, num_prefix_blocks: int, mode: str) -> Rule:
-    """VSA's selection (:mod:`.vsa`; validated arguments) as a :class:`Rule`: prefix query tiles
-    attend every tile (sink query blocks); "exempt" keeps every prefix key tile (sink key blocks)
-    and the ``k_vid`` largest video tiles, "compete" the ``min(k_vid + P, n)`` largest tiles; no
-    neighbours."""
-    P = num_prefix_blocks
-    if mode == "exempt" or P == 0:
-        return Rule(1, k_vid, 0, P, 0, P, False, False)
-    return Rule(1, min(k_vid + P, n), 0, 0, 0, P, False, False)
+def vsa_rule(P: int, exempt: bool, kk: int) -> Rule:
+    """VSA's selection as a :class:`Rule`, from :func:`.vsa.vsa_competition`'s ``(P, exempt,
+    kk)``: prefix query tiles attend every tile (sink query blocks), exempt prefix key tiles are
+    kept whole (sink key blocks), the ``kk`` largest competing tiles; no neighbours, uncentred
+    scores."""
+    return Rule(1, kk, 0, P if exempt else 0, 0, P, False, False)
 
 
 def fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:

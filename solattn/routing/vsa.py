@@ -19,7 +19,7 @@ coarse formula over all tiles.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -40,8 +40,11 @@ def vsa_topk_from_sparsity(sparsity: float, n_video: int) -> int:
     return max(1, min(math.ceil((1 - float(sparsity)) * n_video), n_video))
 
 
-def _check_vsa_args(n: int, k_vid: int, num_prefix_blocks: int, mode: str) -> int:
-    """The number of prefix tiles, after checking VSA's arguments against ``n`` tiles."""
+def vsa_competition(n: int, k_vid: int, num_prefix_blocks: int, mode: str) -> Tuple[int, bool, int]:
+    """VSA's arguments checked against ``n`` tiles, as ``(P, exempt, kk)``: the number of prefix
+    tiles, whether they are exempt from the competition (every video row keeps them all), and how
+    many competing tiles a video row keeps (``k_vid``, or ``min(k_vid + P, n)`` in "compete"). The
+    torch rule (:func:`vsa_selector`) and the fused one (:func:`.fused.vsa_rule`) both start here."""
     P, n_video = int(num_prefix_blocks), n - int(num_prefix_blocks)
     if not 0 <= P < n:
         raise ValueError(f"VSA selection: argument 'num_prefix_blocks' received {num_prefix_blocks!r}; "
@@ -51,19 +54,18 @@ def _check_vsa_args(n: int, k_vid: int, num_prefix_blocks: int, mode: str) -> in
                          f"allowed: an int 1 <= k_vid <= {n_video} (the number of video tiles)")
     if mode not in PREFIX_MODES:
         raise ValueError(f"VSA selection: argument 'mode' received {mode!r}; allowed: one of {PREFIX_MODES}")
-    return P
+    exempt = mode == "exempt" or P == 0
+    return P, exempt, k_vid if exempt else min(k_vid + P, n)
 
 
 def vsa_selector(stats: BlockStats, k_vid: int, num_prefix_blocks: int = 0, mode: str = "exempt",
                  scale: float = 1.0, topk_method: Optional[str] = None) -> Selector:
     """The chunk rule of VSA's selection (see the module docstring); validated arguments."""
     B, H, n, D = stats.qm.shape
-    P = _check_vsa_args(n, k_vid, num_prefix_blocks, mode)
+    P, exempt, kk = vsa_competition(n, k_vid, num_prefix_blocks, mode)
     n_video = n - P
     G, dev = B * H, stats.qm.device
     qm, km = stats.qm.reshape(G, n, D), stats.km.reshape(G, n, D)
-    exempt = mode == "exempt" or P == 0
-    kk = k_vid if exempt else min(k_vid + P, n)
     method = topk_method or default_topk_method(dev, n_video if exempt else n)
 
     def select(g0: int, g1: int, i0: int, i1: int) -> torch.Tensor:
@@ -106,8 +108,7 @@ def build_vsa_plan(problem: Problem, k_vid: int, num_prefix_blocks: int = 0, mod
     if fused:
         from .fused import fused_plan, fused_plan_usable, vsa_rule
         if fused_plan_usable(problem):
-            P = _check_vsa_args(problem.n, k_vid, num_prefix_blocks, mode)
-            return fused_plan(problem, vsa_rule(problem.n, k_vid, P, mode))
+            return fused_plan(problem, vsa_rule(*vsa_competition(problem.n, k_vid, num_prefix_blocks, mode)))
     stats = block_stats(problem)
     rule = vsa_selector(stats, k_vid, num_prefix_blocks, mode, problem.scale, topk_method)
     return assemble_plan(problem, stats, rule, tail=False, coarse=problem.coarse_gate is not None)
