@@ -114,6 +114,15 @@ def has_block_terms(problem: Problem) -> bool:
     return problem.tail or problem.coarse_gate is not None
 
 
+def fused_plan_allowed(chosen, problem: Problem, want_lse: bool) -> bool:
+    """Whether ``chosen`` runs ``problem`` from the fused (GPU) routing plan: it takes one, unless
+    a backward may follow (``want_lse``) that rebuilds the plan's tail or coarse terms through the
+    torch path (they carry gradients there). The forward then builds its plan the same way, so
+    that both passes select the same blocks (the fused plan's products round differently:
+    near-ties can flip). ``sol_attn`` and ``video_sparse_attn`` both ask here."""
+    return bool(getattr(chosen, "fused_plan", False)) and not (want_lse and has_block_terms(problem))
+
+
 def run_for_backward(chosen, problem: Problem, plan, lse: Tensor, resid: Tensor) -> Tuple[Tensor, Tensor]:
     """Run the chosen backend; on ``triton`` with :func:`backward_buffers`, also fill them. Returns
     the output and a CPU int64 flag: 0 when the fused backward does not apply, else a
@@ -255,10 +264,7 @@ def _sol_attn_forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Option
                        block_len, coarse_gate, token_aug)
     with torch.no_grad():  # the forward never records autograd
         chosen = dispatch.choose(problem, backend or None)
-        # A backward rebuilds a plan with tail or coarse terms through the torch path (they carry
-        # gradients there); the forward then builds it the same way, so that both passes select
-        # the same blocks (the fused plan's products round differently: near-ties can flip).
-        plan = plan_for(chosen, problem, fused=not (want_lse and has_block_terms(problem)))
+        plan = plan_for(chosen, problem, fused=fused_plan_allowed(chosen, problem, want_lse))
         lse, resid = backward_buffers(q, v, want_lse)
         out, fused = run_for_backward(chosen, problem, plan, lse, resid)
         return out, lse, resid, fused

@@ -25,7 +25,7 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend
-from .ops import (PLANS, backward_buffers, forward_settings, fused_grads, has_block_terms, plain_eager,
+from .ops import (PLANS, backward_buffers, forward_settings, fused_grads, fused_plan_allowed, plain_eager,
                   recompute_grads, run_for_backward)
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
@@ -291,11 +291,9 @@ def _vsa_forward(q, k, v, grid, k_vid: int, gate, scale, backend: Optional[str],
     tg = _tiled_gate(gate, tq, layout)              # the backend applies plan.coarse with it
     problem = _tiled_problem(tq, tk, tv, scale, layout, tg)
     chosen = _plan_backend(problem, explicit)
-    # the fused (GPU) plan where the backend takes one, except when a backward will rebuild the
-    # coarse term's plan through the torch path: both passes then select alike (as sol_attn does)
-    backward_rebuilds = buffers is not None and buffers[0].numel() > 0 and has_block_terms(problem)
+    want_lse = buffers is not None and buffers[0].numel() > 0
     plan = build_vsa_plan(problem, k_vid, layout.num_prefix_blocks, mode,
-                          fused=getattr(chosen, "fused_plan", False) and not backward_rebuilds)
+                          fused=fused_plan_allowed(chosen, problem, want_lse))
     if buffers is None:
         return chosen.forward(problem, plan).index_select(1, layout.slots)    # (B, T, H, D), v's dtype
     out, fused = run_for_backward(chosen, problem, plan, *buffers)
