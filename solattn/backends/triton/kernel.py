@@ -125,22 +125,19 @@ def key_block(K, V, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh
     dims = tl.arange(0, HEAD_DIM)
     kv_block = tl.load(KvIdx_row + step)
     tok_k = (kv_block * BLOCK + rows).to(tl.int64)
-    if KV_TMA:
-        if TMA_LEN:
-            # block_len whose dead rows hold zeros (Problem.dead_rows_zero): read, then never keys
-            blen = tl.load(BlockLen + kv_block)
-            live = rows < blen
-            ragged = blen < BLOCK
-        else:
-            # without block_len the only dead rows are past T, which the descriptor zero-fills
-            live = tok_k < T
-            ragged = kv_block * BLOCK + BLOCK > T
-        k = K.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-        v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+    if KV_TMA and not TMA_LEN:
+        # without block_len the only dead rows are past T, which the descriptor zero-fills
+        live = tok_k < T
+        ragged = kv_block * BLOCK + BLOCK > T
     else:
         blen = tl.load(BlockLen + kv_block)
         live = rows < blen                                   # dead rows are never keys
         ragged = blen < BLOCK
+    if KV_TMA:
+        # with TMA_LEN the dead rows are read (Problem.dead_rows_zero: they hold zeros)
+        k = K.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+        v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+    else:
         k = tl.load(K + b * skb + h * skh + tok_k[:, None] * skt + dims[None, :] * skd,
                     mask=live[:, None], other=0.0)
         v = tl.load(V + b * svb + h * svh + tok_k[:, None] * svt + dims[None, :] * svd,
