@@ -18,6 +18,9 @@
 #               needs Triton 3.6)
 #   vsa         diag/vsa_h3.py: video_sparse_attn at H3's size with the fused (VSA rule) and the torch plan
 #               (session 17; about 2 minutes)
+#   stalls      Nsight Compute's per-instruction warp-stall samples of the attention kernel at H3 top-k 20 %
+#               (diag/ncu_h3.py under ncu, then diag/stall_table.py; session 18)
+#   offload     diag/exp_offload_h3.py check h3: part of the exponentials on the FMA pipe (session 18)
 #   flex        diag/flex_exact_branch.py at H3's size (T=37248, a multiple of 64): FlexAttention with the
 #               plan as block mask against the sdpa backend's gathers, top-k 10 % and 20 %
 # e.g.  OUT=$OUT EXTRA_PYTHONPATH=$PWD/.whl/ck:$PWD/.whl/xdist bash benchmarks/gpu_session10.sh tests_x backward
@@ -59,11 +62,19 @@ for step in "$@"; do
               echo "pingpong rc=$?"; grep -c " ok$" "$OUT/pingpong.txt"; grep -E "^##|^\| (production|ping|no turns|diag)" "$OUT/pingpong.txt" ;;
     vsa) timeout 300 python benchmarks/diag/vsa_h3.py > "$OUT/vsa_h3.txt" 2>&1; echo "vsa rc=$?"
          grep -E "^##|^\|" "$OUT/vsa_h3.txt" | cut -c1-400 ;;
+    stalls) timeout 300 ncu --profile-from-start off -k regex:sol_attn_fwd --section SourceCounters \
+              --section WarpStateStats --import-source no -f -o "$OUT/stalls" python benchmarks/diag/ncu_h3.py topk20 \
+              > "$OUT/stalls.log" 2>&1; echo "ncu rc=$?"
+            ncu -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass > "$OUT/stalls.csv" 2> "$OUT/stalls.err"
+            python benchmarks/diag/stall_table.py "$OUT/stalls.csv" 40 > "$OUT/stalls.txt" 2>&1
+            head -70 "$OUT/stalls.txt" | cut -c1-200 ;;
+    offload) timeout 300 python benchmarks/diag/exp_offload_h3.py check h3 > "$OUT/offload.txt" 2>&1; echo "offload rc=$?"
+             grep -c " ok$" "$OUT/offload.txt"; grep -E "FAILED|failed|^check|^##|^\\|" "$OUT/offload.txt" | cut -c1-300 ;;
     flex) for r in 0.1 0.2; do
             timeout 150 python benchmarks/diag/flex_exact_branch.py --T 37248 --H 56 --ratio $r --repeats 5 \
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong vsa flex" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong vsa stalls offload flex" >&2; exit 2 ;;
   esac
 done
