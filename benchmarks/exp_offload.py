@@ -63,13 +63,13 @@ def offload_asm(pack: int) -> str:
 
 
 @gpu_jit
-def exp2_terms(x, EXP_PACK: tl.constexpr, ASM: tl.constexpr):
+def exp2_terms(x, EXP_PACK: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
     if EXP_PACK == 0:
         p = tl.math.exp2(x)
     elif EXP_PACK < 0:
         p = x
     else:
-        p = tl.inline_asm_elementwise(ASM, "=r," * EXP_PACK + ",".join(["r"] * EXP_PACK), [x],
+        p = tl.inline_asm_elementwise(ASM, CONSTRAINTS, [x],
                                       dtype=tl.float32, is_pure=True, pack=EXP_PACK)
     return p
 
@@ -83,7 +83,7 @@ def offload_loop(
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, KV_TMA: tl.constexpr,
     FOLD_SCALE: tl.constexpr, TMA_LEN: tl.constexpr = False, WRITE_LSE: tl.constexpr = False,
-    EXP_PACK: tl.constexpr = 0, ASM: tl.constexpr = "",
+    EXP_PACK: tl.constexpr = 0, ASM: tl.constexpr = "", CONSTRAINTS: tl.constexpr = "",
 ):
     bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
         Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
@@ -102,9 +102,9 @@ def offload_loop(
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_ref)
         if FOLD_SCALE:
-            p = exp2_terms(s * qk_scale - m_ref[:, None], EXP_PACK, ASM)
+            p = exp2_terms(s * qk_scale - m_ref[:, None], EXP_PACK, ASM, CONSTRAINTS)
         else:
-            p = exp2_terms(s - m_ref[:, None], EXP_PACK, ASM)
+            p = exp2_terms(s - m_ref[:, None], EXP_PACK, ASM, CONSTRAINTS)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -114,4 +114,6 @@ def offload_loop(
 
 def constexprs(pack: int) -> dict:
     """The launch constexprs of :func:`offload_loop` for ``EXP_PACK = pack``."""
-    return {"EXP_PACK": pack, "ASM": offload_asm(pack) if pack > 0 else ""}
+    if pack <= 0:
+        return {"EXP_PACK": pack}
+    return {"EXP_PACK": pack, "ASM": offload_asm(pack), "CONSTRAINTS": ",".join(["=r"] * pack + ["r"] * pack)}
