@@ -18,6 +18,7 @@
 #               needs Triton 3.6)
 #   vsa         diag/vsa_h3.py: video_sparse_attn at H3's size with the fused (VSA rule) and the torch plan
 #               (session 17; about 2 minutes)
+#   vsa_profile diag/vsa_profile.py: one video_sparse_attn call's kernels and GPU timeline at H3's size
 #   stalls      Nsight Compute's per-instruction warp-stall samples of the attention kernel at H3 top-k 20 %
 #               (diag/ncu_h3.py under ncu, then diag/stall_table.py; session 18)
 #   offload     diag/exp_offload_h3.py check h3: part of the exponentials on the FMA pipe (session 18)
@@ -62,6 +63,8 @@ for step in "$@"; do
               echo "pingpong rc=$?"; grep -c " ok$" "$OUT/pingpong.txt"; grep -E "^##|^\| (production|ping|no turns|diag)" "$OUT/pingpong.txt" ;;
     vsa) timeout 300 python benchmarks/diag/vsa_h3.py > "$OUT/vsa_h3.txt" 2>&1; echo "vsa rc=$?"
          grep -E "^##|^\|" "$OUT/vsa_h3.txt" | cut -c1-400 ;;
+    vsa_profile) timeout 120 python benchmarks/diag/vsa_profile.py > "$OUT/vsa_profile.txt" 2>&1; echo "vsa_profile rc=$?"
+                 cut -c1-160 "$OUT/vsa_profile.txt" | grep -v Warn | head -60 ;;
     stalls) timeout 300 ncu --profile-from-start off -k regex:sol_attn_fwd --section SourceCounters \
               --section WarpStateStats --import-source no -f -o "$OUT/stalls" python benchmarks/diag/ncu_h3.py topk20 \
               > "$OUT/stalls.log" 2>&1; echo "ncu rc=$?"
@@ -75,6 +78,6 @@ for step in "$@"; do
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong vsa stalls offload flex" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong vsa vsa_profile stalls offload flex" >&2; exit 2 ;;
   esac
 done

@@ -1,5 +1,7 @@
 """Where one ``video_sparse_attn`` call's GPU time goes at H3's size (the geometry of
-``vsa_h3.py``, exempt prefix, sparsity 0.9): the torch profiler's kernel table of one call.
+``vsa_h3.py``, exempt prefix, sparsity 0.9): the torch profiler's kernel table of one call, then
+its GPU timeline (each kernel's start and end from the first kernel's start, the idle gaps between
+kernels, and the call's wall time between CUDA events), to find time that no kernel accounts for.
 
     python benchmarks/diag/vsa_profile.py
 """
@@ -43,6 +45,37 @@ def main():
     print(f"one call, GPU kernels {total:.2f} ms in all")
     for t, c, name in sorted(rows, reverse=True)[:12]:
         print(f"| {name} | {t:.3f} ms | x{c} |")
+    timeline(call, prof)
+
+
+def timeline(call, prof):
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.time_range.elapsed_us() > 0), key=lambda e: e.time_range.start)
+    if not kernels:
+        print("no CUDA kernels in the profile")
+        return
+    t0 = kernels[0].time_range.start
+    print("\n## GPU timeline of that call (ms from the first kernel's start)")
+    prev_end = t0
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        gap = (start - prev_end) / 1e3
+        print(f"  {(start - t0) / 1e3:8.3f} - {(end - t0) / 1e3:8.3f}  gap {gap:6.3f}  {e.name[:70]}")
+        prev_end = max(prev_end, end)
+    span = (prev_end - t0) / 1e3
+    print(f"first kernel start to last kernel end: {span:.3f} ms")
+    walls = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        walls.append(start.elapsed_time(end))
+    walls.sort()
+    print(f"one call between CUDA events (10 calls, synchronised before each): median {walls[5]:.3f} ms, "
+          f"min {walls[0]:.3f} ms")
 
 
 if __name__ == "__main__":
