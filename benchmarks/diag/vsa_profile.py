@@ -46,6 +46,7 @@ def main():
     for t, c, name in sorted(rows, reverse=True)[:12]:
         print(f"| {name} | {t:.3f} ms | x{c} |")
     timeline(call, prof)
+    neighbours(call, q, k, v)
 
 
 def timeline(call, prof):
@@ -76,6 +77,52 @@ def timeline(call, prof):
     walls.sort()
     print(f"one call between CUDA events (10 calls, synchronised before each): median {walls[5]:.3f} ms, "
           f"min {walls[0]:.3f} ms")
+
+
+def neighbours(call, q, k, v):
+    """The same call timed alone, after a dense SDPA call, and in vsa_h3.py's rotation (dense, this
+    call, the call with the torch plan), with the caching allocator's device allocations
+    (cudaMalloc calls) counted during the timed calls: time no kernel accounts for."""
+    import time
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    from solattn.routing import fused
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def dense():
+        return F.scaled_dot_product_attention(qt, kt, vt)
+
+    def torch_plan():
+        with mock.patch.object(fused, "fused_plan_usable", lambda problem: False):
+            return call()
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = call()
+    host = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    del out
+    print(f"\nhost time to enqueue one call: {host:.3f} ms")
+    for label, before in (("alone", ()), ("after dense SDPA", (dense,)), ("vsa_h3 rotation", (dense, torch_plan))):
+        times, allocs = [], 0
+        for _ in range(10):
+            for fn in before:
+                fn()
+            torch.cuda.synchronize()
+            n0 = torch.cuda.memory_stats().get("num_device_alloc", 0)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            torch.cuda.synchronize()
+            allocs += torch.cuda.memory_stats().get("num_device_alloc", 0) - n0
+            times.append(start.elapsed_time(end))
+        times.sort()
+        print(f"{label}: median {times[5]:.3f} ms (min {times[0]:.3f}, max {times[-1]:.3f}); "
+              f"device allocations during the 10 timed calls: {allocs}")
 
 
 if __name__ == "__main__":
