@@ -14,7 +14,7 @@ the polynomial path: ``x <= -127`` (and ``-inf``, dead keys) gives exactly ``+0`
 factor is built as the bits ``(round(x) + 127) << 23``, zero at -127), NaN stays NaN (``max.NaN``
 keeps it and the final multiply propagates it).
 
-    python benchmarks/diag/exp_offload_h3.py
+    python benchmarks/diag/loop_variants_h3.py --only exp-control exp-1of8 exp-1of4 exp-1of2 exp-none
 """
 
 from __future__ import annotations

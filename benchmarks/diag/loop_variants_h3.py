@@ -1,8 +1,9 @@
-"""The exponential offload experiment (``benchmarks/exp_offload.py``) on the GPU: checked against the
-production kernel on small problems, then timed kernel only at H3 (B=1, T=37296, H=56, D=128,
-bf16) next to the production kernel in paired rounds on the same plan.
+"""Experimental key loops on the GPU (``benchmarks/exp_offload.py``: part of the exponentials on the
+FMA pipe; ``benchmarks/kernel_qreg.py``: the query tile as a register operand): each checked
+against the production kernel on small problems, then timed kernel only at H3 (B=1, T=37296, H=56,
+D=128, bf16) next to the production kernel in paired rounds on the same plan.
 
-    python benchmarks/diag/exp_offload_h3.py [check] [h3]
+    python benchmarks/diag/loop_variants_h3.py [check] [h3] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import solattn  # noqa: E402
 import exp_offload  # noqa: E402
+import kernel_qreg  # noqa: E402
 from plan_h3_fused import compare_kernels, h3_cases  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.backends.triton import kernel as tk  # noqa: E402
@@ -26,14 +28,21 @@ from solattn.testing import make_qkv, rel_l2  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
 dev = torch.device("cuda")
-#: variant name -> EXP_PACK
-PACKS = {"MUFU only (control: the production loop)": 0, "1 of 8 on the FMA pipe": 8,
-         "1 of 4": 4, "1 of 2": 2, "no exponential (diagnostic)": -1}
+#: variant name -> (kernel, launch constexprs, whether its output is meant to match the production kernel's):
+#: exp-control is exp_offload's loop with the production exponential (must match bit for bit), exp-1ofN
+#: takes one of every N terms on the FMA pipe, exp-none drops the exponential (wrong output by design),
+#: qreg passes the query tile through an identity product so that Q K^T takes it from registers
+VARIANTS = {"exp-control": (exp_offload.offload_loop, exp_offload.constexprs(0), True),
+            "exp-1of8": (exp_offload.offload_loop, exp_offload.constexprs(8), True),
+            "exp-1of4": (exp_offload.offload_loop, exp_offload.constexprs(4), True),
+            "exp-1of2": (exp_offload.offload_loop, exp_offload.constexprs(2), True),
+            "exp-none": (exp_offload.offload_loop, exp_offload.constexprs(-1), False),
+            "qreg": (kernel_qreg.qreg_loop, {}, True)}
 
 
-def launch(problem, plan, pack, tma=True):
-    cfg = tb.KernelConfig(tma=tma)
-    return tb.run_kernel(exp_offload.offload_loop, problem, plan, cfg, constexprs=exp_offload.constexprs(pack))
+def launch(problem, plan, name, tma=True):
+    kernel, constexprs, _ = VARIANTS[name]
+    return tb.run_kernel(kernel, problem, plan, tb.KernelConfig(tma=tma), constexprs=constexprs)
 
 
 def check():
@@ -50,12 +59,12 @@ def check():
             plan = build_plan(problem)
             for tma in (False, True):
                 base = tb.run_kernel(tk.sol_attn_fwd, problem, plan, tb.KernelConfig(tma=tma)).float()
-                for name, pack in PACKS.items():
-                    if pack < 0:
+                for name, (_, _, matches) in VARIANTS.items():
+                    if not matches:
                         continue
-                    out = launch(problem, plan, pack, tma).float()
+                    out = launch(problem, plan, name, tma).float()
                     err = rel_l2(out, base) if base.abs().sum() else float(out.abs().max())
-                    good = torch.isfinite(out).all() and err < 2e-3 and (pack != 0 or err == 0)
+                    good = torch.isfinite(out).all() and err < 2e-3 and ("control" not in name or err == 0)
                     ok &= bool(good)
                     label = ",".join(f"{a}" for a in kw if a != "key_bias") + (" bias" if "key_bias" in kw else "")
                     print(f"check B{B} T{T} H{H} D{D} {label} tma={tma} {name}: diff {err:.2e} "
@@ -68,15 +77,20 @@ def h3():
         flop = 4 * int(plan.kv_num_blocks.long().sum()) * 64 * 64 * problem.D
         ref = solattn.sol_attn(problem.q.float(), problem.k.float(), problem.v.float(), backend="sdpa", **kw)
         fns = {"production": lambda: tb.run_kernel(tk.sol_attn_fwd, problem, plan, tb.KernelConfig(tma=True))}
-        for name, pack in PACKS.items():
-            fns[name] = lambda pack=pack: launch(problem, plan, pack)
+        for name in VARIANTS:
+            fns[name] = lambda name=name: launch(problem, plan, name)
         compare_kernels(f"H3 {label}", fns, ref, "production", flop)
         del ref
 
 
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), open("COMMIT").read().strip() if Path("COMMIT").exists() else "")
-    steps = sys.argv[1:] or ["check", "h3"]
+    args = sys.argv[1:]
+    if "--only" in args:
+        keep = args[args.index("--only") + 1:]
+        args = args[:args.index("--only")]
+        VARIANTS = {name: VARIANTS[name] for name in keep}
+    steps = args or ["check", "h3"]
     if "check" in steps:
         check()
     if "h3" in steps:
