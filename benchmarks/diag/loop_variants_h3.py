@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import solattn  # noqa: E402
 import exp_offload  # noqa: E402
 import kernel_qreg  # noqa: E402
+import kernel_tree  # noqa: E402
 from plan_h3_fused import compare_kernels, h3_cases  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.backends.triton import kernel as tk  # noqa: E402
@@ -31,13 +32,15 @@ dev = torch.device("cuda")
 #: variant name -> (kernel, launch constexprs, whether its output is meant to match the production kernel's):
 #: exp-control is exp_offload's loop with the production exponential (must match bit for bit), exp-1ofN
 #: takes one of every N terms on the FMA pipe, exp-none drops the exponential (wrong output by design),
-#: qreg passes the query tile through an identity product so that Q K^T takes it from registers
+#: qreg passes the query tile through an identity product so that Q K^T takes it from registers, tree
+#: halves the row max and sum over adjacent columns first
 VARIANTS = {"exp-control": (exp_offload.offload_loop, exp_offload.constexprs(0), True),
             "exp-1of8": (exp_offload.offload_loop, exp_offload.constexprs(8), True),
             "exp-1of4": (exp_offload.offload_loop, exp_offload.constexprs(4), True),
             "exp-1of2": (exp_offload.offload_loop, exp_offload.constexprs(2), True),
             "exp-none": (exp_offload.offload_loop, exp_offload.constexprs(-1), False),
-            "qreg": (kernel_qreg.qreg_loop, {}, True)}
+            "qreg": (kernel_qreg.qreg_loop, {}, True),
+            "tree": (kernel_tree.tree_loop, {}, True)}
 
 
 def launch(problem, plan, name, tma=True):
