@@ -21,8 +21,7 @@
 #   vsa_profile diag/vsa_profile.py: one video_sparse_attn call's kernels and GPU timeline at H3's size
 #   stalls      Nsight Compute's per-instruction warp-stall samples of the attention kernel at H3 top-k 20 %
 #               (diag/ncu_h3.py under ncu, then diag/stall_table.py; session 18)
-#   loops       diag/loop_variants_h3.py check h3: experimental key loops against the production kernel
-#               ($LOOPS: the variants to run, all by default; session 18)
+#   (loops: diag/loop_variants_h3.py, session 18's experimental key loops, in the history at 9d73bec)
 #   flex        diag/flex_exact_branch.py at H3's size (T=37248, a multiple of 64): FlexAttention with the
 #               plan as block mask against the sdpa backend's gathers, top-k 10 % and 20 %
 # e.g.  OUT=$OUT EXTRA_PYTHONPATH=$PWD/.whl/ck:$PWD/.whl/xdist bash benchmarks/gpu_session10.sh tests_x backward
@@ -72,13 +71,11 @@ for step in "$@"; do
             ncu -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass > "$OUT/stalls.csv" 2> "$OUT/stalls.err"
             python benchmarks/diag/stall_table.py "$OUT/stalls.csv" 40 > "$OUT/stalls.txt" 2>&1
             head -70 "$OUT/stalls.txt" | cut -c1-200 ;;
-    loops) timeout 400 python benchmarks/diag/loop_variants_h3.py check h3 ${LOOPS:+--only $LOOPS} > "$OUT/loops.txt" 2>&1
-           echo "loops rc=$?"; grep -c " ok$" "$OUT/loops.txt"; grep -E "FAILED|failed|^check|^##|^\\|" "$OUT/loops.txt" | cut -c1-300 ;;
     flex) for r in 0.1 0.2; do
             timeout 150 python benchmarks/diag/flex_exact_branch.py --T 37248 --H 56 --ratio $r --repeats 5 \
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong vsa vsa_profile stalls loops flex" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong vsa vsa_profile stalls flex" >&2; exit 2 ;;
   esac
 done

@@ -3,8 +3,9 @@ source view: ``ncu -i REPORT --page source --csv --print-source sass > stalls.cs
 
     python benchmarks/diag/stall_table.py stalls.csv [top]
 
-prints the sampled stall reasons summed over the kernel, and the ``top`` SASS instructions (30 by
-default) by warp-stall samples with their address, their own largest reasons and their loop region.
+prints the sampled stall reasons summed over the kernel, the samples summed by opcode, and the
+``top`` SASS instructions (30 by default) by warp-stall samples with their address and their own
+largest reasons.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def main(path: str, top: int = 30):
     for i in sorted(numeric, key=lambda i: -sums[i]):
         if sums[i] and "stall" in head[i].lower():
             print(f"  {head[i]}: {sums[i]:.0f} ({100 * sums[i] / total:.1f} %)")
+    by_op = defaultdict(float)
+    for r in body:
+        words = [w for w in r[src].split() if not w.startswith("@")]
+        if words:
+            by_op[words[0].split(".")[0]] += number(r[total_col]) or 0.0
+    print("\n## samples by opcode")
+    for op, samples in sorted(by_op.items(), key=lambda kv: -kv[1])[:20]:
+        print(f"  {op:<12} {100 * samples / total:5.1f} %")
     print(f"\n## top {top} instructions by samples")
     ranked = sorted(body, key=lambda r: -(number(r[total_col]) or 0.0))[:top]
     for r in ranked:
