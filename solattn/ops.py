@@ -22,6 +22,7 @@ does) and differentiates that. The selection is treated as constant either way.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import itertools
 import threading
@@ -299,26 +300,72 @@ def _setup_context(ctx, inputs, output):
     ctx.plan = PLANS.take(fused)
 
 
-def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
-    q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused = ctx.saved_tensors
-    tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend = ctx.args
-    # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
-    bias_leaf = key_bias if ctx.needs_input_grad[7] and key_bias.is_floating_point() else None
+def traced(t: Tensor) -> bool:
+    """Whether autograd is running a backward under tracing (torch.compile's AOTAutograd traces
+    the backward with fake tensors): the backward must then be one opaque op, as its branch on the
+    forward's ``fused`` flag reads data."""
+    return type(t) is not torch.Tensor or torch.compiler.is_compiling()
 
+
+@contextlib.contextmanager
+def autograd_dispatch():
+    """Autograd recording inside a custom op's implementation. The dispatcher runs an op's kernel
+    with the autograd keys excluded, so a backward op that differentiates a recomputation (or the
+    plan's block terms) must put them back for its own local graph; the autocast exclusions stay."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    keys = exclude - exclude                        # an empty set (the constructor wants a key)
+    for name in dir(torch._C.DispatchKey):
+        if name.startswith("Autograd") and name not in ("Autograd", "AutogradFunctionality"):
+            keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, name))
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude - keys):
+        yield
+
+
+def grads_as_outputs(grads, like, inputs) -> Tuple[Tensor, ...]:
+    """A backward op's results: for each input in ``like`` that gets a gradient, that gradient
+    (contiguous, the input's dtype, zeros where autograd had none, never sharing memory with
+    ``inputs``, as a custom op's output must not); a ``(0,)`` tensor where ``like`` holds None."""
+    storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor)}
+    result = []
+    for g, t in zip(grads, like):
+        if t is None:
+            result.append(inputs[0].new_empty((0,)))
+            continue
+        g = (torch.zeros_like(t) if g is None else g).to(t.dtype).contiguous()
+        result.append(g.clone() if g.untyped_storage().data_ptr() in storages else g)
+    return tuple(result)
+
+
+def fake_grads(like, first: Tensor) -> Tuple[Tensor, ...]:
+    """The fake implementation of a backward op: :func:`grads_as_outputs`'s shapes and dtypes."""
+    return tuple(first.new_empty((0,)) if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                 for t in like)
+
+
+def grads_from_outputs(outputs) -> List[Optional[Tensor]]:
+    """Inverse of :func:`grads_as_outputs`: an empty result is no gradient."""
+    return [g if g.numel() else None for g in outputs]
+
+
+def _sol_attn_grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out,
+                    tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend,
+                    bias_grad: bool, gate_grad: bool, settings=None, plan=None):
+    """``(dq, dk, dv, dgate, dbias)`` of ``sol_attn`` (None where not asked for): the fused
+    backward after a triton forward, else a recomputation through a differentiable backend.
+    ``settings``, ``plan``: the forward's context and kept plan, when the backward runs eagerly."""
+    bias_leaf = key_bias if bias_grad else None
     if lse.numel() and int(fused.item()):                     # the forward ran the triton kernel
         def problem_of(qd, kd, vd):
             return validate(qd, kd, vd, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
                             block_len, coarse_gate, token_aug)
 
         gq, gk, gv, gg, gb = fused_grads(problem_of, build_plan, (q, k, v), out, lse, resid, grad_out,
-                                         bias_grad=bias_leaf is not None, settings=ctx.settings,
-                                         saved=ctx.plan)
+                                         bias_grad=bias_grad, settings=settings, saved=plan)
         if gb is not None:                   # (B or 1, T) summed over heads -> key_bias's shape
             if key_bias.numel() != gb.numel():
                 gb = gb.sum(dim=0, keepdim=True)
             gb = gb.reshape(key_bias.shape).to(key_bias.dtype)
-        return (gq, gk, gv, None, None, None, None, gb, None, None, None,
-                gg if ctx.needs_input_grad[11] else None, None, None, None)
+        return gq, gk, gv, gg if gate_grad else None, gb
 
     def forward(leaves, name):
         qd, kd, vd, gd, bd = leaves
@@ -327,7 +374,46 @@ def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
                                     token_aug), name)
 
     gq, gk, gv, gg, gb = recompute_grads(forward, (q, k, v, coarse_gate, bias_leaf), grad_out,
-                                         backend or None, required={4: "key_bias"}, settings=ctx.settings)
+                                         backend or None, required={4: "key_bias"}, settings=settings)
+    return gq, gk, gv, gg if gate_grad else None, gb
+
+
+@torch.library.custom_op("solattn::sol_attn_backward", mutates_args=())
+def _sol_attn_backward_op(q: Tensor, k: Tensor, v: Tensor, key_bias: Optional[Tensor],
+                          block_len: Optional[Tensor], coarse_gate: Optional[Tensor], out: Tensor,
+                          lse: Tensor, resid: Tensor, fused: Tensor, grad_out: Tensor, tau: float,
+                          scale: Optional[float], sink_blocks: Optional[List[int]],
+                          sink_q: Optional[List[int]], topk_ratio: float, tail: bool, token_aug: int,
+                          backend: str, bias_grad: bool, gate_grad: bool
+                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward of ``solattn::sol_attn`` as one op, for a traced backward (compiled training,
+    ``fullgraph=True`` included): :func:`_sol_attn_grads`, absent gradients as ``(0,)`` tensors."""
+    with autograd_dispatch():
+        grads = _sol_attn_grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out,
+                                tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend,
+                                bias_grad, gate_grad)
+    like = (q, k, v, coarse_gate if gate_grad else None, key_bias if bias_grad else None)
+    return grads_as_outputs(grads, like, (q, k, v, key_bias, block_len, coarse_gate, out, grad_out))
+
+
+@_sol_attn_backward_op.register_fake
+def _(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out, tau, scale, sink_blocks,
+      sink_q, topk_ratio, tail, token_aug, backend, bias_grad, gate_grad):
+    return fake_grads((q, k, v, coarse_gate if gate_grad else None, key_bias if bias_grad else None), q)
+
+
+def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
+    q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused = ctx.saved_tensors
+    tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend = ctx.args
+    # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
+    bias_grad = bool(ctx.needs_input_grad[7] and key_bias is not None and key_bias.is_floating_point())
+    gate_grad = bool(ctx.needs_input_grad[11] and coarse_gate is not None)
+    saved = (q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out,
+             tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend, bias_grad, gate_grad)
+    if traced(grad_out):
+        gq, gk, gv, gg, gb = grads_from_outputs(_sol_attn_backward_op(*saved))
+    else:
+        gq, gk, gv, gg, gb = _sol_attn_grads(*saved, settings=ctx.settings, plan=ctx.plan)
     return gq, gk, gv, None, None, None, None, gb, None, None, None, gg, None, None, None
 
 

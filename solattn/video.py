@@ -25,7 +25,8 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend
-from .ops import (PLANS, backward_buffers, forward_settings, fused_grads, fused_plan_allowed, plain_eager,
+from .ops import (PLANS, autograd_dispatch, backward_buffers, fake_grads, forward_settings, fused_grads,
+                  fused_plan_allowed, grads_as_outputs, grads_from_outputs, plain_eager, traced,
                   recompute_grads, run_for_backward)
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
@@ -344,9 +345,11 @@ def _vsa_setup_context(ctx, inputs, output):
     ctx.plan = PLANS.take(fused)
 
 
-def _vsa_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
-    grid, k_vid, scale, backend, segments, mode = ctx.args
-    q, k, v, gate, out, lse, resid, fused = ctx.saved_tensors
+def _vsa_grads(q, k, v, gate, out, lse, resid, fused, grad_out, grid, k_vid, scale, backend, segments, mode,
+               gate_grad: bool, settings=None, plan=None):
+    """``(dq, dk, dv, dgate)`` of ``video_sparse_attn`` (``dgate`` None when not asked for): the
+    fused backward after a triton forward, else a recomputation through a differentiable backend.
+    ``settings``, ``plan``: the forward's context and kept plan, when the backward runs eagerly."""
     if lse.numel() and int(fused.item()):                     # the forward ran the triton kernel
         layout = _layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
         tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
@@ -359,21 +362,51 @@ def _vsa_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
             return build_vsa_plan(problem, k_vid, layout.num_prefix_blocks, mode)
 
         gq, gk, gv, gg, _ = fused_grads(problem_of, make_plan, (tq, tk, tv), _to_tiled(out, layout), lse,
-                                        resid, _to_tiled(grad_out, layout), bias_grad=False, settings=ctx.settings,
-                                        saved=ctx.plan)
+                                        resid, _to_tiled(grad_out, layout), bias_grad=False, settings=settings,
+                                        saved=plan)
         gq, gk, gv = (g.index_select(1, layout.slots) for g in (gq, gk, gv))
-        if gg is not None and ctx.needs_input_grad[5]:
+        if gg is not None and gate_grad:
             gg = gg.sum() if gate.dim() == 0 else gg.index_select(1, layout.slots)
             gg = gg.to(gate.dtype)
         else:
             gg = None
-        return gq, gk, gv, None, None, gg, None, None, None, None, None
+        return gq, gk, gv, gg
 
     def forward(leaves, name):
         return _vsa_forward(*leaves[:3], grid, k_vid, leaves[3], scale, name, segments, mode)
 
-    gq, gk, gv, gg = recompute_grads(forward, (q, k, v, gate), grad_out, backend or None,
-                                     settings=ctx.settings)
+    gq, gk, gv, gg = recompute_grads(forward, (q, k, v, gate), grad_out, backend or None, settings=settings)
+    return gq, gk, gv, gg if gate_grad else None
+
+
+@torch.library.custom_op("solattn::video_sparse_attn_backward", mutates_args=())
+def _vsa_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch.Tensor],
+                     out: torch.Tensor, lse: torch.Tensor, resid: torch.Tensor, fused: torch.Tensor,
+                     grad_out: torch.Tensor, grid: List[int], k_vid: int, scale: Optional[float], backend: str,
+                     segments: List[int], mode: str, gate_grad: bool
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of ``solattn::video_sparse_attn`` as one op, for a traced backward (compiled
+    training, ``fullgraph=True`` included): :func:`_vsa_grads`, no gate gradient as a ``(0,)`` tensor."""
+    with autograd_dispatch():
+        grads = _vsa_grads(q, k, v, gate, out, lse, resid, fused, grad_out, grid, k_vid, scale, backend,
+                           segments, mode, gate_grad)
+    return grads_as_outputs(grads, (q, k, v, gate if gate_grad else None), (q, k, v, gate, out, grad_out))
+
+
+@_vsa_backward_op.register_fake
+def _(q, k, v, gate, out, lse, resid, fused, grad_out, grid, k_vid, scale, backend, segments, mode, gate_grad):
+    return fake_grads((q, k, v, gate if gate_grad else None), q)
+
+
+def _vsa_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
+    grid, k_vid, scale, backend, segments, mode = ctx.args
+    q, k, v, gate, out, lse, resid, fused = ctx.saved_tensors
+    saved = (q, k, v, gate, out, lse, resid, fused, grad_out, grid, k_vid, scale, backend, segments, mode,
+             bool(ctx.needs_input_grad[5] and gate is not None))
+    if traced(grad_out):
+        gq, gk, gv, gg = grads_from_outputs(_vsa_backward_op(*saved))
+    else:
+        gq, gk, gv, gg = _vsa_grads(*saved, settings=ctx.settings, plan=ctx.plan)
     return gq, gk, gv, None, None, gg, None, None, None, None, None
 
 

@@ -1,7 +1,9 @@
-"""``sol_attn`` is a torch.library custom op: torch.compile(fullgraph=True) traces it as one node."""
+"""``sol_attn`` and ``video_sparse_attn`` are torch.library custom ops: torch.compile(fullgraph=True)
+traces each as one node, and their backward passes as one op each."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import solattn
@@ -74,22 +76,66 @@ def test_video_sparse_attn_compiles_fullgraph_as_one_node():
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves)
 
 
-def test_compiled_backward_matches_eager():
-    """Training through a compiled ``sol_attn`` (without ``fullgraph=True``: the op's backward
-    decides at run time whether the fused backward applies, one graph break): the gradients of
-    q, k, v and the coarse gate are the eager ones."""
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _grads(fn, inputs):
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    fn(*leaves).backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_backward_matches_eager(device, fullgraph):
+    """Training through a compiled ``sol_attn``, ``fullgraph=True`` included (the backward is one
+    opaque op, ``solattn::sol_attn_backward``, that decides at run time whether the fused backward
+    applies): the gradients of q, k, v, the coarse gate and a float key bias are the eager ones.
+    On CUDA the forward runs the triton kernel, so the op runs the fused backward."""
     torch._dynamo.reset()
-    q, k, v = make_qkv(1, 300, 2, 32, seed=4)
+    q, k, v = (x.to(device) for x in make_qkv(1, 300, 2, 32, seed=4))
+    gate = torch.randn_like(q) * 0.1
+    bias = torch.randn(1, 300, device=device) * 0.5
+
+    def loss(q, k, v, gate, bias):
+        return (solattn.sol_attn(q, k, v, topk_ratio=0.3, coarse_gate=gate, key_bias=bias) ** 2).sum()
+
+    want = _grads(loss, (q, k, v, gate, bias))
+    got = _grads(torch.compile(loss, backend="aot_eager", fullgraph=fullgraph), (q, k, v, gate, bias))
+    for g, w in zip(got, want):
+        assert g is not None and g.shape == w.shape and torch.isfinite(g).all()
+        assert rel_l2(g, w) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_vsa_backward_fullgraph_matches_eager(device):
+    """The same for ``video_sparse_attn`` (``solattn::video_sparse_attn_backward``): a gate tensor
+    and a prefix, ``fullgraph=True``."""
+    torch._dynamo.reset()
+    grid = (4, 8, 8)
+    q, k, v = (x.to(device) for x in make_qkv(1, 4 * 8 * 8 + 10, 2, 32, seed=5))
     gate = torch.randn_like(q) * 0.1
 
     def loss(q, k, v, gate):
-        return (solattn.sol_attn(q, k, v, topk_ratio=0.3, coarse_gate=gate) ** 2).sum()
+        return (solattn.video_sparse_attn(q, k, v, grid, topk=2, gate=gate, prefix_len=10) ** 2).sum()
 
-    grads = {}
-    for name, fn in (("eager", loss), ("compiled", torch.compile(loss, backend="aot_eager"))):
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, gate)]
-        fn(*leaves).backward()
-        grads[name] = [t.grad for t in leaves]
-    for got, want in zip(grads["compiled"], grads["eager"]):
-        assert got is not None and torch.isfinite(got).all()
-        assert rel_l2(got, want) < 1e-6
+    want = _grads(loss, (q, k, v, gate))
+    got = _grads(torch.compile(loss, backend="aot_eager", fullgraph=True), (q, k, v, gate))
+    for g, w in zip(got, want):
+        assert g is not None and g.shape == w.shape and torch.isfinite(g).all()
+        assert rel_l2(g, w) < 1e-6
+
+
+def test_backward_ops_registered_with_fake_impls():
+    """The backward ops trace on meta tensors: gradients of the inputs' shapes and dtypes, and a
+    ``(0,)`` tensor for a gradient not asked for."""
+    q, k, v = (x.to("meta") for x in make_qkv(1, 100, 2, 8, dtype=torch.bfloat16))
+    flag = torch.empty((), dtype=torch.int64, device="meta")
+    lse = torch.empty((0,), device="meta")
+    grads = torch.ops.solattn.sol_attn_backward(q, k, v, None, None, q, q, lse, lse, flag, q, 1.0, None,
+                                                None, None, 0.5, True, 0, "", False, True)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 4 + [(0,)]
+    assert all(g.dtype == torch.bfloat16 for g in grads[:4])
+    grads = torch.ops.solattn.video_sparse_attn_backward(q, k, v, None, q, lse, lse, flag, q, [1, 8, 8], 1,
+                                                         None, "", [36], "exempt", False)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 3 + [(0,)]

@@ -349,3 +349,32 @@ def test_traced_and_transformed_calls_go_through_the_op():
         assert torch.equal(traced(q2, k2, v2), f(q2, k2, v2))
         batched = torch.func.vmap(f)(q[:, None], k[:, None], v[:, None])
         assert rel_l2(batched[:, 0], f(q, k, v)) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_backward_under_compile_fullgraph(device, fused_calls):
+    """A compiled training step with ``fullgraph=True``: the traced backward is one op
+    (``solattn::sol_attn_backward`` / ``video_sparse_attn_backward``) that runs the fused backward at
+    run time, with the eager gradients of q, k, v and the coarse gate."""
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 4 * 8 * 8 + 10, 2, 32, dtype=torch.bfloat16, device=device, seed=6)
+    gate = (torch.randn_like(q.float()) * 0.1).to(q.dtype)
+
+    def sol(q, k, v, gate):
+        return (solattn.sol_attn(q, k, v, topk_ratio=0.3, coarse_gate=gate, backend="triton") ** 2).sum()
+
+    def vsa(q, k, v, gate):
+        return (solattn.video_sparse_attn(q, k, v, (4, 8, 8), topk=2, gate=gate, prefix_len=10,
+                                          backend="triton") ** 2).sum()
+
+    for loss in (sol, vsa):
+        grads = {}
+        for name, fn in (("eager", loss), ("compiled", torch.compile(loss, backend="aot_eager", fullgraph=True))):
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v, gate)]
+            before = len(fused_calls)
+            fn(*leaves).backward()
+            assert len(fused_calls) == before + 1, f"{loss.__name__} {name}: the fused backward did not run"
+            grads[name] = [t.grad for t in leaves]
+        for got, want in zip(grads["compiled"], grads["eager"]):
+            assert got is not None and torch.isfinite(got).all()
+            assert rel_l2(got, want) < 1e-6, loss.__name__
