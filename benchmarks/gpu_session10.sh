@@ -8,7 +8,7 @@
 #   graph_tests pytest tests/test_graphs.py -k cuda -v
 #   tests       the whole test suite ($TEST_ARGS appended, $TEST_S seconds at most)
 #   tests_x     the same in 8 processes (pytest-xdist on PYTHONPATH, e.g. unzipped wheels carried in
-#               .whl/xdist: pip download pytest-xdist execnet; about 4 minutes on the H200 host)
+#               .whl/xdist: pip download pytest-xdist execnet; about 5 minutes on the H200 host)
 #   plan_h3     diag/plan_h3_fused.py h3 seed: fused vs torch plan and end to end at H3, the seed in graphs
 #   timeline    diag/select_cost.py timeline: the GPU timeline of one sol_attn call per mode at H3
 #   select_cost diag/select_cost.py: fused-plan launch sweep and e2e GPU timeline at H3
@@ -48,7 +48,7 @@ for step in "$@"; do
                    > "$OUT/graph_tests.log" 2>&1; echo "graph tests rc=$?"; grep -E "PASSED|FAILED" "$OUT/graph_tests.log" ;;
     tests) timeout ${TEST_S:-300} python -m pytest -q -p no:cacheprovider tests/ ${TEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
            tail -4 "$OUT/gpu_tests.log" ;;
-    tests_x) timeout ${TEST_S:-300} python -m pytest -q -p no:cacheprovider -n 8 --durations=10 tests/ ${TEST_ARGS:-} \
+    tests_x) timeout ${TEST_S:-420} python -m pytest -q -p no:cacheprovider -n 8 --durations=10 tests/ ${TEST_ARGS:-} \
                > "$OUT/gpu_tests.log" 2>&1
              tail -4 "$OUT/gpu_tests.log" ;;
     plan_h3) timeout 200 python benchmarks/diag/plan_h3_fused.py h3 seed > "$OUT/plan_h3.txt" 2>&1
