@@ -312,12 +312,19 @@ def autograd_dispatch():
     """Autograd recording inside a custom op's implementation. The dispatcher runs an op's kernel
     with the autograd keys excluded, so a backward op that differentiates a recomputation (or the
     plan's block terms) must put them back for its own local graph; the autocast exclusions stay."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    keys = exclude - exclude                        # an empty set (the constructor wants a key)
-    for name in dir(torch._C.DispatchKey):
-        if name.startswith("Autograd") and name not in ("Autograd", "AutogradFunctionality"):
-            keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, name))
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude - keys):
+    try:
+        exclude = torch._C._dispatch_tls_local_exclude_set()
+        keys = exclude - exclude                        # an empty set (the constructor wants a key)
+        for name in dir(torch._C.DispatchKey):
+            if name.startswith("Autograd") and name not in ("Autograd", "AutogradFunctionality"):
+                keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, name))
+        guard = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude - keys)
+    except (AttributeError, TypeError) as err:          # private dispatcher API of this torch
+        raise RuntimeError(
+            f"solattn: a traced (compiled) backward needs torch's dispatch-key guards, which torch "
+            f"{torch.__version__} does not offer as expected ({err}); run the backward eagerly "
+            f"(compile without the backward, or call the op outside torch.compile)") from err
+    with guard:
         yield
 
 

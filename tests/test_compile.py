@@ -139,3 +139,17 @@ def test_backward_ops_registered_with_fake_impls():
     grads = torch.ops.solattn.video_sparse_attn_backward(q, k, v, None, q, lse, lse, flag, q, [1, 8, 8], 1,
                                                          None, "", [36], "exempt", False)
     assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 3 + [(0,)]
+
+
+def test_traced_backward_without_dispatch_guards_says_why(monkeypatch):
+    """A torch without the private dispatch-key guard the backward op needs: a clear error that
+    names it, not a failure inside autograd."""
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 200, 2, 32, seed=8)
+    compiled = torch.compile(lambda q: solattn.sol_attn(q, k, v, topk_ratio=0.4).sum(), backend="aot_eager",
+                             fullgraph=True)
+    leaf = q.clone().requires_grad_(True)
+    out = compiled(leaf)
+    monkeypatch.delattr(torch._C, "_ForceDispatchKeyGuard")
+    with pytest.raises(RuntimeError, match="traced \\(compiled\\) backward needs torch's dispatch-key guards"):
+        out.backward()
