@@ -236,6 +236,31 @@ def _transforms_active() -> bool:
     return level is None or level >= 0
 
 
+def check_transforms(fn: str, tensors: Sequence[Optional[Tensor]]) -> None:
+    """Refuse, before any work, the transforms whose derivative the op would drop or reject:
+    ``torch.func``'s grad / vjp / jacrev / jvp (a jvp would silently return a zero tangent) and
+    forward-mode AD through dual tensors. ``torch.vmap`` runs (one call per batch entry)."""
+    if not _transforms_active():
+        return
+    what = None
+    try:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+        kinds = {str(i.key()).rsplit(".", 1)[-1] for i in retrieve_all_functorch_interpreters()}
+    except (ImportError, AttributeError):     # a torch without this layout: nothing known to refuse
+        kinds = set()
+    if kinds & {"Grad", "Jvp"}:
+        what = "a torch.func transform that differentiates (grad, vjp, jacrev, jvp, ...)"
+    else:
+        from torch.autograd import forward_ad
+        if getattr(forward_ad, "_current_level", -1) >= 0 and any(
+                isinstance(t, Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+            what = "forward-mode AD (a dual tensor with a tangent)"
+    if what is not None:
+        raise NotImplementedError(
+            f"{fn}: {what} is not supported: its derivative would be dropped or rejected. Differentiate "
+            f"with torch.autograd instead (loss.backward() or torch.autograd.grad); torch.vmap is supported")
+
+
 def _dispatch_mode_active() -> bool:
     try:
         from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -469,4 +494,5 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
         # must be made inside the capture, from the caller's tensors, not once outside it
         return eager_call(lambda: _sol_attn_forward(*args)[0], (q, k, v, key_bias, block_len, coarse_gate),
                           ("sol_attn", *args[3:7], *args[8:10], *args[12:]))
+    check_transforms("sol_attn", (q, k, v, key_bias, coarse_gate))
     return _sol_attn_op(*args)[0]

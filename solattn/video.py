@@ -25,8 +25,8 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend
-from .ops import (PLANS, autograd_dispatch, backward_buffers, fake_grads, forward_settings, fused_grads,
-                  fused_plan_allowed, grads_as_outputs, grads_from_outputs, plain_eager, traced,
+from .ops import (PLANS, autograd_dispatch, backward_buffers, check_transforms, fake_grads, forward_settings,
+                  fused_grads, fused_plan_allowed, grads_as_outputs, grads_from_outputs, plain_eager, traced,
                   recompute_grads, run_for_backward)
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
@@ -262,6 +262,7 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
         # not through cuda_graphs(): the torch VSA plan reads its sizes on the host (the fused
         # plan, on CUDA with the triton backend, no longer does; not wired to graphs yet)
         return _vsa_op_forward(*args)[0]
+    check_transforms("video_sparse_attn", (q, k, v, gate))
     return _vsa_op(*args)[0]
 
 

@@ -3,6 +3,8 @@ traces each as one node, and their backward passes as one op each."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -153,3 +155,41 @@ def test_traced_backward_without_dispatch_guards_says_why(monkeypatch):
     monkeypatch.delattr(torch._C, "_ForceDispatchKeyGuard")
     with pytest.raises(RuntimeError, match="traced \\(compiled\\) backward needs torch's dispatch-key guards"):
         out.backward()
+
+
+def _ops():
+    grid = (4, 8, 8)
+    k0, v0 = make_qkv(1, 4 * 8 * 8 + 10, 2, 16, seed=9)[1:]
+    return {"sol_attn": lambda q: solattn.sol_attn(q, k0, v0, topk_ratio=0.4),
+            "video_sparse_attn": lambda q: solattn.video_sparse_attn(q, k0, v0, grid, topk=2, prefix_len=10)}
+
+
+@pytest.mark.parametrize("name", ["sol_attn", "video_sparse_attn"])
+@pytest.mark.parametrize("transform", ["jvp", "grad", "vjp", "dual"])
+def test_differentiating_transforms_are_refused(name, transform):
+    """torch.func's grad / vjp / jvp and forward-mode dual tensors: a clear error naming the function
+    before any work (torch.func.jvp used to return a zero tangent, silently)."""
+    fn = _ops()[name]
+    q = make_qkv(1, 4 * 8 * 8 + 10, 2, 16, seed=9)[0]
+    calls = {"jvp": lambda: torch.func.jvp(fn, (q,), (torch.ones_like(q),)),
+             "grad": lambda: torch.func.grad(lambda x: fn(x).sum())(q),
+             "vjp": lambda: torch.func.vjp(fn, q)}
+    with pytest.raises(NotImplementedError, match=f"{name}: .* is not supported.*torch.autograd"):
+        if transform == "dual":
+            from torch.autograd import forward_ad
+            with forward_ad.dual_level():
+                fn(forward_ad.make_dual(q, torch.ones_like(q)))
+        else:
+            calls[transform]()
+
+
+@pytest.mark.parametrize("name", ["sol_attn", "video_sparse_attn"])
+def test_vmap_runs_per_entry(name):
+    """torch.vmap is not refused: over a batch of queries it equals one call per entry."""
+    fn = _ops()[name]
+    qs = torch.stack([make_qkv(1, 4 * 8 * 8 + 10, 2, 16, seed=s)[0] for s in (10, 11)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                 # torch's "no batching rule" performance note
+        got = torch.vmap(fn)(qs)
+    for i in range(2):
+        assert torch.equal(got[i], fn(qs[i]))
