@@ -336,12 +336,15 @@ def traced(t: Tensor) -> bool:
 def autograd_dispatch():
     """Autograd recording inside a custom op's implementation. The dispatcher runs an op's kernel
     with the autograd keys excluded, so a backward op that differentiates a recomputation (or the
-    plan's block terms) must put them back for its own local graph; the autocast exclusions stay."""
+    plan's block terms) must put them back for its own local graph, with ADInplaceOrView (excluded
+    too when the op runs under a dispatch mode, e.g. AOTAutograd's runtime under compiled autograd:
+    without it, in-place writes into views drop out of the graph); the autocast exclusions stay."""
     try:
         exclude = torch._C._dispatch_tls_local_exclude_set()
         keys = exclude - exclude                        # an empty set (the constructor wants a key)
         for name in dir(torch._C.DispatchKey):
-            if name.startswith("Autograd") and name not in ("Autograd", "AutogradFunctionality"):
+            if name == "ADInplaceOrView" or (name.startswith("Autograd")
+                                             and name not in ("Autograd", "AutogradFunctionality")):
                 keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, name))
         guard = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude - keys)
     except (AttributeError, TypeError) as err:          # private dispatcher API of this torch
