@@ -236,21 +236,33 @@ def _transforms_active() -> bool:
     return level is None or level >= 0
 
 
+def _differentiated_by_functorch(t) -> bool:
+    """Whether ``t`` is wrapped at a torch.func grad / vjp / jvp level (a ``GradTrackingTensor``
+    somewhere under its vmap wrappers): an input those transforms differentiate. Tensors the
+    transformed function merely closes over are not wrapped."""
+    f = torch._C._functorch
+    while isinstance(t, Tensor) and f.is_functorch_wrapped_tensor(t):
+        if f.is_gradtrackingtensor(t):
+            return True
+        t = f.get_unwrapped(t)
+    return False
+
+
 def check_transforms(fn: str, tensors: Sequence[Optional[Tensor]]) -> None:
-    """Refuse, before any work, the transforms whose derivative the op would drop or reject:
-    ``torch.func``'s grad / vjp / jacrev / jvp (a jvp would silently return a zero tangent) and
-    forward-mode AD through dual tensors. ``torch.vmap`` runs (one call per batch entry)."""
-    if not _transforms_active():
+    """Refuse, before any work, an input that a transform differentiates through the op, which
+    has no rule for it: torch.func's grad / vjp / jacrev / jvp (a jvp would silently return a zero
+    tangent) and forward-mode AD through dual tensors. ``torch.vmap`` runs (one call per batch entry),
+    and so does a transformed function whose derivative does not pass through the op. Skipped while
+    torch.compile traces (Dynamo cannot follow these checks; the compiled call runs as before)."""
+    if torch.compiler.is_compiling() or not _transforms_active():
         return
     what = None
     try:
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-        kinds = {str(i.key()).rsplit(".", 1)[-1] for i in retrieve_all_functorch_interpreters()}
-    except (ImportError, AttributeError):     # a torch without this layout: nothing known to refuse
-        kinds = set()
-    if kinds & {"Grad", "Jvp"}:
-        what = "a torch.func transform that differentiates (grad, vjp, jacrev, jvp, ...)"
-    else:
+        if any(_differentiated_by_functorch(t) for t in tensors):
+            what = "a torch.func transform that differentiates (grad, vjp, jacrev, jvp, ...)"
+    except AttributeError:                      # a torch without these functorch queries
+        pass
+    if what is None:
         from torch.autograd import forward_ad
         if getattr(forward_ad, "_current_level", -1) >= 0 and any(
                 isinstance(t, Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors):

@@ -220,3 +220,29 @@ def test_vmap_runs_per_entry(name):
         got = torch.vmap(fn)(qs)
     for i in range(2):
         assert torch.equal(got[i], fn(qs[i]))
+
+
+@pytest.mark.parametrize("name", ["sol_attn", "video_sparse_attn"])
+def test_transform_whose_derivative_skips_the_op_runs(name):
+    """torch.func.grad of a function that only closes over the operator's inputs (frozen attention
+    inputs): nothing is differentiated through the op, so it runs and the gradient is right."""
+    fn = _ops()[name]
+    q = make_qkv(1, 4 * 8 * 8 + 10, 2, 16, seed=9)[0]
+    out = fn(q)
+    got = torch.func.grad(lambda w: (w * fn(q)).sum())(torch.tensor(2.0))
+    assert torch.allclose(got, out.sum())
+    with pytest.raises(NotImplementedError, match="torch.func transform"):
+        torch.func.grad(lambda x: fn(x).sum())(q)          # and through the op it is refused
+
+
+def test_compiled_vmap_fullgraph():
+    """torch.compile(torch.vmap(f), fullgraph=True) traces the operator (the transform check steps
+    aside while Dynamo traces) and equals one call per entry."""
+    torch._dynamo.reset()
+    fn = _ops()["sol_attn"]
+    qs = torch.stack([make_qkv(1, 4 * 8 * 8 + 10, 2, 16, seed=s)[0] for s in (12, 13)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.compile(torch.vmap(fn), fullgraph=True, backend="aot_eager")(qs)
+    for i in range(2):
+        assert torch.equal(got[i], fn(qs[i]))
