@@ -154,7 +154,8 @@ def _check_real(name: str, value, allow_none: bool = False) -> Optional[float]:
         _fail(name, f"{value!r} of type {type(value).__name__}",
               "a finite float" + (" or None" if allow_none else ""), TypeError)
     value = float(value)
-    if not math.isfinite(value):
+    if not abs(value) < math.inf:    # nan and +-inf; unlike math.isfinite, traceable when torch.compile
+                                     # (dynamic=True) makes the value symbolic
         _fail(name, repr(value), "a finite float" + (" or None" if allow_none else ""))
     return value
 

@@ -438,7 +438,7 @@ def _resolve_topk(fn: str, sparsity, topk, n_video: int) -> int:
     if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
         _fail(fn, "sparsity", f"{sparsity!r} of type {type(sparsity).__name__}",
               "a float 0 <= sparsity <= 1", TypeError)
-    if not (math.isfinite(float(sparsity)) and 0.0 <= float(sparsity) <= 1.0):
+    if not 0.0 <= float(sparsity) <= 1.0:           # False for nan too (and traceable, unlike isfinite)
         _fail(fn, "sparsity", repr(sparsity), "a float 0 <= sparsity <= 1")
     return vsa_topk_from_sparsity(float(sparsity), n_video)
 
@@ -453,7 +453,7 @@ def _check_gate(fn: str, gate, q: torch.Tensor, prefix_len: int, n_video_tokens:
     allowed = (f"None, a real number (a constant gate) or a float tensor (bf16, fp16 or fp32) of q's "
                f"shape {tuple(q.shape)} or of the video part's shape {video_shape}, on {q.device}")
     if isinstance(gate, numbers.Real) and not isinstance(gate, bool):
-        if not math.isfinite(float(gate)):
+        if not abs(float(gate)) < math.inf:         # nan and +-inf (a comparison torch.compile can trace)
             _fail(fn, "gate", repr(gate), allowed)
         return torch.tensor(float(gate), dtype=torch.float32, device=q.device)
     if not isinstance(gate, torch.Tensor):

@@ -246,3 +246,32 @@ def test_compiled_vmap_fullgraph():
         got = torch.compile(torch.vmap(fn), fullgraph=True, backend="aot_eager")(qs)
     for i in range(2):
         assert torch.equal(got[i], fn(qs[i]))
+
+
+@pytest.mark.parametrize("call", ["sol_attn", "vsa_sparsity", "vsa_float_gate", "sol_attn_train"])
+def test_compile_dynamic_shapes_and_floats(call):
+    """torch.compile(dynamic=True) makes shapes and Python floats (tau, sparsity, a float gate)
+    symbolic: the argument checks trace, the results equal eager at two sequence lengths, and a
+    non-finite float is still refused."""
+    torch._dynamo.reset()
+    grid = (4, 8, 8)
+
+    def fn(q, k, v):
+        if call.startswith("sol_attn"):
+            return solattn.sol_attn(q, k, v, topk_ratio=0.4, tau=1.5)
+        return solattn.video_sparse_attn(q, k, v, grid, sparsity=0.5, prefix_len=q.shape[1] - 256,
+                                         gate=0.5 if call == "vsa_float_gate" else None)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for T in (266, 300):
+        q, k, v = make_qkv(1, T, 2, 16, seed=T)
+        if call == "sol_attn_train":
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            compiled(*leaves).square().sum().backward()
+            want = _grads(lambda *x: fn(*x).square().sum(), (q, k, v))
+            for leaf, w in zip(leaves, want):
+                assert rel_l2(leaf.grad, w) < 1e-6
+        else:
+            assert rel_l2(compiled(q, k, v), fn(q, k, v)) < 1e-6
+    with pytest.raises(ValueError, match="tau"):
+        solattn.sol_attn(q, k, v, tau=float("nan"))
