@@ -127,8 +127,10 @@ def run(cfg: Config) -> List[dict]:
                 for name in cfg.backends:
                     backend = dispatch.get_backend(name)
                     if backend.uses_plan and not backend.not_supported_reasons(problem):
+                        # one untimed call first, as for every contender: the first pays one-off
+                        # costs (the fused plan's kernels compile), which a median of 1-2 calls keeps
                         plan_ms[name] = statistics.median(time_calls(
-                            lambda: plan_for(backend, problem), dev, max(1, min(cfg.repeats, 5))))
+                            lambda: plan_for(backend, problem), dev, max(1, min(cfg.repeats, 5)), warmup=1))
 
                 # contenders: name -> (fn, output of the memory call, peak, basis)
                 contenders: Dict[str, tuple] = {}
