@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import numbers
 import os
 from typing import Dict, Iterator, Optional
 
 
 def _check(nbytes, what: str) -> int:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
+        raise TypeError(f"{what} received {nbytes!r} of type {type(nbytes).__name__}; "
+                        "allowed: a positive int (bytes)")
+    if nbytes <= 0:
         raise ValueError(f"{what} received {nbytes!r}; allowed: a positive int (bytes)")
-    return nbytes
+    return int(nbytes)
 
 
 class MemoryBudget:

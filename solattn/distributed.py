@@ -204,7 +204,8 @@ def _check_local(fn: str, q, k, v, gate, gate_name: str, world: int) -> None:
               f"a head count divisible by the group size {world}: each rank attends H/{world} heads "
               f"of the whole sequence (group sizes that divide H={H}: {divisors})")
     if gate is not None:
-        allowed = f"None or a float tensor of q's shape {tuple(q.shape)} (sharded like q) on {q.device}"
+        allowed = (f"None or a tensor of dtype {_DTYPE_NAMES} and q's shape {tuple(q.shape)} (sharded like q) "
+                   f"on {q.device}")
         if not isinstance(gate, Tensor):
             _fail(fn, gate_name, type(gate).__name__, allowed, TypeError)
         if gate.dtype not in SUPPORTED_DTYPES:

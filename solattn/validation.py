@@ -255,7 +255,7 @@ def validate(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bi
             _fail("block_len", _tensor_desc(block_len), allowed)
 
     if coarse_gate is not None:
-        allowed = f"None or a float tensor of q's shape {tuple(q.shape)} on {q.device}"
+        allowed = f"None or a tensor of dtype {_DTYPE_NAMES} and q's shape {tuple(q.shape)} on {q.device}"
         if not isinstance(coarse_gate, torch.Tensor):
             _fail("coarse_gate", type(coarse_gate).__name__, allowed, TypeError)
         if coarse_gate.dtype not in SUPPORTED_DTYPES:

@@ -299,6 +299,12 @@ def test_memory_budget_api():
     from solattn.backends import reference as refmod
     with pytest.raises(ValueError, match="'nbytes'"):
         solattn.set_memory_budget(-1)
+    for wrong in (1.5, "1024", True):                       # a wrong type is a TypeError, as everywhere
+        with pytest.raises(TypeError, match=r"'nbytes' received .* of type .*; allowed: a positive int"):
+            solattn.set_memory_budget(wrong)
+        with pytest.raises(TypeError, match="'nbytes'"):
+            with solattn.memory_budget(wrong):
+                pass
     with pytest.raises(ValueError, match="'backend'.*allowed"):
         solattn.set_memory_budget(1 << 20, backend="triton")
     solattn.set_memory_budget(123456)

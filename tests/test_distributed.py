@@ -322,6 +322,13 @@ def test_init_from_env_argument_errors(kwargs, exc, pattern):
     assert not torch.distributed.is_initialized()          # raised before starting anything
 
 
+def test_gate_dtype_message_names_the_dtypes_allowed():
+    q = torch.randn(1, 64, 2, 16)
+    with pytest.raises(TypeError, match=r"'coarse_gate' received .*float64.*allowed: .*"
+                                        r"torch\.bfloat16, torch\.float16 or torch\.float32"):
+        sd._check_local("sol_attn", q, q, q, q.double(), "coarse_gate", 1)
+
+
 def test_destroy_and_exit_argument_error():
     with pytest.raises(TypeError, match=r"'code' received 1.5 of type float; allowed: an int"):
         sd.destroy_and_exit(1.5)

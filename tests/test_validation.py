@@ -50,6 +50,7 @@ BAD = [
     (dict(block_len=[64, 64]), TypeError, "'block_len'"),
     (dict(coarse_gate=torch.randn(1, 100, 2, 4)), ValueError, "'coarse_gate'"),
     (dict(coarse_gate=torch.randn(1, 100, 2, 8, device="meta")), ValueError, "'coarse_gate'"),
+    (dict(coarse_gate=torch.randn(1, 100, 2, 8, dtype=torch.float64)), TypeError, "'coarse_gate'"),
     (dict(key_bias=torch.zeros(99)), ValueError, "'key_bias'"),
     (dict(key_bias=torch.zeros(1, 2, 1, 100)), ValueError, "'key_bias'"),        # varies over heads
     (dict(key_bias=torch.zeros(1, 1, 100, 100)), ValueError, "'key_bias'"),      # varies over queries
@@ -83,6 +84,13 @@ def test_messages_show_the_received_value():
         solattn.sol_attn(Q, torch.randn(1, 99, 2, 8), V)
     with pytest.raises(ValueError, match=r"\(2, 1\)"):
         solattn.sol_attn(Q, K, V, sink_blocks=(2, 1))
+
+
+def test_gate_dtype_message_names_the_dtypes_allowed():
+    """A float64 gate is a float tensor: the message must say which float dtypes are allowed."""
+    with pytest.raises(TypeError, match=r"'coarse_gate' received .*dtype torch\.float64.*allowed: .*"
+                                        r"torch\.bfloat16, torch\.float16 or torch\.float32"):
+        solattn.sol_attn(Q, K, V, coarse_gate=torch.randn(1, 100, 2, 8, dtype=torch.float64))
 
 
 def test_unknown_backend_name():
