@@ -66,6 +66,15 @@ def test_device_names_present_here_are_accepted():
         assert parse_device("cuda:0") == torch.device("cuda:0")
 
 
+def test_cpu_device_index():
+    """``cpu:0`` names the one CPU device (torch accepts it); ``cpu:1`` is refused for what it is,
+    not with "cpu is not available here"."""
+    from solattn.bench.parsing import UsageError, parse_device
+    assert parse_device("cpu:0") == torch.device("cpu")
+    with pytest.raises(UsageError, match=r"received 'cpu:1': there is no cpu:1; allowed: .*cpu"):
+        parse_device("cpu:1")
+
+
 def _long_reason():
     return ("this reason is deliberately long so that it cannot fit on one terminal line: "
             + " ".join(f"word{i}" for i in range(40)) + " and it ends with the decisive detail")

@@ -56,6 +56,8 @@ def parse_device(text: str, option: str = "--device") -> torch.device:
     except (RuntimeError, ValueError, TypeError):
         raise UsageError(f"{option} received {text!r}, which is not a torch device name; "
                          f"allowed: {allowed}") from None
+    if device.type == "cpu" and device.index == 0:
+        device = torch.device("cpu")          # the one CPU device: tensors made on "cpu:0" say "cpu"
     name = str(device)
     if name in present or (device.index is None and any(d.split(":")[0] == device.type for d in present)) \
             or (device.type == "mps" and "mps" in present and device.index in (None, 0)):
@@ -63,7 +65,7 @@ def parse_device(text: str, option: str = "--device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         why = (f"this torch ({torch.__version__}) was built without CUDA" if torch.version.cuda is None
                and getattr(torch.version, "hip", None) is None else "no CUDA device is visible")
-    elif device.type in ("cuda", "xpu") and any(d.startswith(device.type) for d in present):
+    elif any(d.split(":")[0] == device.type for d in present):
         why = f"there is no {name}"
     else:
         why = f"{device.type} is not available here"
