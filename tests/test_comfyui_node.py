@@ -252,6 +252,33 @@ def test_generic_fallbacks_are_dense(comfy, caplog, case):
 
 
 @torch.no_grad()
+def test_dense_blocks_without_block_index_is_reported(comfy, caplog):
+    """A model whose attention calls carry no block_index (MiniMax-H3 in ComfyUI releases before
+    the layout / block_index were published) cannot honour dense_blocks: one line says so."""
+    attention = importlib.import_module("comfy.ldm.modules.attention")
+    state = node.SparseAttention(node.Settings(min_tokens=0, dense_blocks=frozenset({0, 1})))
+    override = state.make_override(None)
+    torch.manual_seed(0)
+    q, k, v = (3 * torch.randn(1, 2, 256, 64) for _ in range(3))
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    for _ in range(2):
+        out = override(attention.attention_pytorch, q, k, v, 2, skip_reshape=True, skip_output_reshape=True,
+                       transformer_options={"sigmas": torch.tensor([0.5])})
+    ref = solattn.sol_attn(*(t.transpose(1, 2) for t in (q, k, v)), tau=1.3).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert len(node_lines(caplog, "dense_blocks has no effect")) == 1
+    # with the index, the listed block is dense and nothing is reported about missing indices
+    caplog.clear()
+    state.reset()
+    out = override(attention.attention_pytorch, q, k, v, 2, skip_reshape=True, skip_output_reshape=True,
+                   transformer_options={"sigmas": torch.tensor([0.5]), "block_index": 1})
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, dense)
+    assert not node_lines(caplog, "dense_blocks has no effect")
+    assert len(node_lines(caplog, "dense: block 1 is in dense_blocks")) == 1
+
+
+@torch.no_grad()
 def test_h3_sol_attn_uses_conditioning_sinks(comfy, caplog):
     """sol-attn on H3 goes through the override; the packed prefix is exact for every query."""
     patcher, layout, h = h3_setup(comfy, layers=1)

@@ -158,8 +158,14 @@ class SparseAttention:
                                     f"[{s.sigma_end:.4g}, {s.sigma_start:.4g}]")
         if tokens < s.min_tokens:
             return "min_tokens", f"dense: {tokens} tokens < min_tokens {s.min_tokens}"
-        if s.dense_blocks and block_index is not None and int(block_index) in s.dense_blocks:
-            return "dense_blocks", f"dense: block {int(block_index)} is in dense_blocks"
+        if s.dense_blocks:
+            if block_index is None:
+                # without the index no call can be matched to a block: say so instead of
+                # silently running the listed blocks sparse
+                self.note("no_block_index", "dense_blocks has no effect: this model's attention calls "
+                                            "carry no transformer_options['block_index'] (update ComfyUI)")
+            elif int(block_index) in s.dense_blocks:
+                return "dense_blocks", f"dense: block {int(block_index)} is in dense_blocks"
         return None
 
     def sinks(self, transformer_options, tokens: int):
