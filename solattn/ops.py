@@ -394,6 +394,14 @@ def grads_from_outputs(outputs) -> List[Optional[Tensor]]:
     return [g if g.numel() else None for g in outputs]
 
 
+def backward_grads(ctx, op, grads: Callable, saved: tuple, grad_out: Tensor):
+    """An operator's gradients: ``grads(*saved)`` with the forward's settings and kept plan when
+    the backward runs eagerly; the opaque backward ``op(*saved)`` when it is traced."""
+    if traced(grad_out):
+        return grads_from_outputs(op(*saved))
+    return grads(*saved, settings=ctx.settings, plan=ctx.plan)
+
+
 def _sol_attn_grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out,
                     tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend,
                     bias_grad: bool, gate_grad: bool, settings=None, plan=None):
@@ -439,14 +447,19 @@ def _sol_attn_backward_op(q: Tensor, k: Tensor, v: Tensor, key_bias: Optional[Te
         grads = _sol_attn_grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out,
                                 tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend,
                                 bias_grad, gate_grad)
-    like = (q, k, v, coarse_gate if gate_grad else None, key_bias if bias_grad else None)
-    return grads_as_outputs(grads, like, (q, k, v, key_bias, block_len, coarse_gate, out, grad_out))
+    return grads_as_outputs(grads, _sol_attn_grad_like(q, k, v, key_bias, coarse_gate, bias_grad, gate_grad),
+                            (q, k, v, key_bias, block_len, coarse_gate, out, grad_out))
+
+
+def _sol_attn_grad_like(q, k, v, key_bias, coarse_gate, bias_grad: bool, gate_grad: bool):
+    """The inputs the backward op returns gradients for (None: an empty result), for it and its fake."""
+    return q, k, v, coarse_gate if gate_grad else None, key_bias if bias_grad else None
 
 
 @_sol_attn_backward_op.register_fake
 def _(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out, tau, scale, sink_blocks,
       sink_q, topk_ratio, tail, token_aug, backend, bias_grad, gate_grad):
-    return fake_grads((q, k, v, coarse_gate if gate_grad else None, key_bias if bias_grad else None), q)
+    return fake_grads(_sol_attn_grad_like(q, k, v, key_bias, coarse_gate, bias_grad, gate_grad), q)
 
 
 def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
@@ -457,10 +470,7 @@ def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
     gate_grad = bool(ctx.needs_input_grad[11] and coarse_gate is not None)
     saved = (q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out,
              tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend, bias_grad, gate_grad)
-    if traced(grad_out):
-        gq, gk, gv, gg, gb = grads_from_outputs(_sol_attn_backward_op(*saved))
-    else:
-        gq, gk, gv, gg, gb = _sol_attn_grads(*saved, settings=ctx.settings, plan=ctx.plan)
+    gq, gk, gv, gg, gb = backward_grads(ctx, _sol_attn_backward_op, _sol_attn_grads, saved, grad_out)
     return gq, gk, gv, None, None, None, None, gb, None, None, None, gg, None, None, None
 
 

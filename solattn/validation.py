@@ -154,10 +154,15 @@ def _check_real(name: str, value, allow_none: bool = False) -> Optional[float]:
         _fail(name, f"{value!r} of type {type(value).__name__}",
               "a finite float" + (" or None" if allow_none else ""), TypeError)
     value = float(value)
-    if not abs(value) < math.inf:    # nan and +-inf; unlike math.isfinite, traceable when torch.compile
-                                     # (dynamic=True) makes the value symbolic
+    if not finite(value):
         _fail(name, repr(value), "a finite float" + (" or None" if allow_none else ""))
     return value
+
+
+def finite(value: float) -> bool:
+    """``math.isfinite`` as a comparison, which torch.compile can trace when ``dynamic=True``
+    makes the value symbolic (False for nan and +-inf)."""
+    return abs(value) < math.inf
 
 
 def _check_range(name: str, value, n: int) -> Optional[Tuple[int, int]]:

@@ -25,11 +25,11 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend
-from .ops import (PLANS, autograd_dispatch, backward_buffers, check_transforms, fake_grads, forward_settings,
-                  fused_grads, fused_plan_allowed, grads_as_outputs, grads_from_outputs, plain_eager, traced,
+from .ops import (PLANS, autograd_dispatch, backward_buffers, backward_grads, check_transforms, fake_grads,
+                  forward_settings, fused_grads, fused_plan_allowed, grads_as_outputs, plain_eager,
                   recompute_grads, run_for_backward)
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
-from .validation import BLOCK, SUPPORTED_DTYPES, Problem, validate
+from .validation import BLOCK, SUPPORTED_DTYPES, Problem, finite, validate
 
 Grid = Tuple[int, int, int]
 DEFAULT_CUBE: Grid = (4, 4, 4)
@@ -391,12 +391,17 @@ def _vsa_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Op
     with autograd_dispatch():
         grads = _vsa_grads(q, k, v, gate, out, lse, resid, fused, grad_out, grid, k_vid, scale, backend,
                            segments, mode, gate_grad)
-    return grads_as_outputs(grads, (q, k, v, gate if gate_grad else None), (q, k, v, gate, out, grad_out))
+    return grads_as_outputs(grads, _vsa_grad_like(q, k, v, gate, gate_grad), (q, k, v, gate, out, grad_out))
+
+
+def _vsa_grad_like(q, k, v, gate, gate_grad: bool):
+    """The inputs the backward op returns gradients for (None: an empty result), for it and its fake."""
+    return q, k, v, gate if gate_grad else None
 
 
 @_vsa_backward_op.register_fake
 def _(q, k, v, gate, out, lse, resid, fused, grad_out, grid, k_vid, scale, backend, segments, mode, gate_grad):
-    return fake_grads((q, k, v, gate if gate_grad else None), q)
+    return fake_grads(_vsa_grad_like(q, k, v, gate, gate_grad), q)
 
 
 def _vsa_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
@@ -404,10 +409,7 @@ def _vsa_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
     q, k, v, gate, out, lse, resid, fused = ctx.saved_tensors
     saved = (q, k, v, gate, out, lse, resid, fused, grad_out, grid, k_vid, scale, backend, segments, mode,
              bool(ctx.needs_input_grad[5] and gate is not None))
-    if traced(grad_out):
-        gq, gk, gv, gg = grads_from_outputs(_vsa_backward_op(*saved))
-    else:
-        gq, gk, gv, gg = _vsa_grads(*saved, settings=ctx.settings, plan=ctx.plan)
+    gq, gk, gv, gg = backward_grads(ctx, _vsa_backward_op, _vsa_grads, saved, grad_out)
     return gq, gk, gv, None, None, gg, None, None, None, None, None
 
 
@@ -453,7 +455,7 @@ def _check_gate(fn: str, gate, q: torch.Tensor, prefix_len: int, n_video_tokens:
     allowed = (f"None, a real number (a constant gate) or a float tensor (bf16, fp16 or fp32) of q's "
                f"shape {tuple(q.shape)} or of the video part's shape {video_shape}, on {q.device}")
     if isinstance(gate, numbers.Real) and not isinstance(gate, bool):
-        if not abs(float(gate)) < math.inf:         # nan and +-inf (a comparison torch.compile can trace)
+        if not finite(float(gate)):
             _fail(fn, "gate", repr(gate), allowed)
         return torch.tensor(float(gate), dtype=torch.float32, device=q.device)
     if not isinstance(gate, torch.Tensor):
