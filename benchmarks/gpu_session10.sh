@@ -11,6 +11,8 @@
 #               .whl/xdist: pip download pytest-xdist execnet; about 5 minutes on the H200 host)
 #   plan_h3     diag/plan_h3_fused.py h3 seed: fused vs torch plan and end to end at H3, the seed in graphs
 #   timeline    diag/select_cost.py timeline: the GPU timeline of one sol_attn call per mode at H3
+#   e2e         diag/e2e_h3.py: sol_attn against dense at H3, one synchronised call and calls queued back
+#               to back, with the host's issue time (session 19; about 2 minutes)
 #   select_cost diag/select_cost.py: fused-plan launch sweep and e2e GPU timeline at H3
 #   seed_eager  diag/seed_eager.py: host cost of eager seed-shape calls (cProfile)
 #   pingpong    diag/pingpong_h3.py check h3: the ping-pong Gluon kernel (kernel_pingpong.py) against the
@@ -53,6 +55,8 @@ for step in "$@"; do
              tail -4 "$OUT/gpu_tests.log" ;;
     plan_h3) timeout 200 python benchmarks/diag/plan_h3_fused.py h3 seed > "$OUT/plan_h3.txt" 2>&1
              grep -E "^##|^fused|^kernel|^dense|^seed|^H3" "$OUT/plan_h3.txt" | cut -c1-420 ;;
+    e2e) timeout 200 python benchmarks/diag/e2e_h3.py host > "$OUT/e2e.txt" 2>&1
+         grep -E "^\|" "$OUT/e2e.txt" ;;
     timeline) timeout 120 python benchmarks/diag/select_cost.py timeline > "$OUT/timeline.txt" 2>&1
               grep -E "^##|start" "$OUT/timeline.txt" | cut -c1-160 ;;
     select_cost) timeout 240 python benchmarks/diag/select_cost.py > "$OUT/select_cost.txt" 2>&1

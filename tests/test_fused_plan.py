@@ -221,11 +221,14 @@ def test_dot_precision_follows_the_device(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["topk", "tau"])
 def test_launch_settings_of_large_problems(mode):
-    # at H3 the bisection takes 4 of a program's 16 rows at a time and the centroid 32 of 128 dims
-    # per program; the tiny problems here default to one tile and one program: force the split
+    # at H3 the bisection kernel takes 2 rows per program (4 of a select program's 16 rows at a
+    # time where the select kernel writes the scores) and the centroid 32 of 128 dims per program;
+    # the tiny problems here default to one tile and one program: force the split
     q, k, v = make_qkv(2, 900, 2, 64, dtype=torch.float32, seed=12)
     kw = dict(topk_ratio=0.3) if mode == "topk" else dict(tau=0.5)
-    for tuning in ({"rb": 4, "centroid_bd": 16}, {"rb": 1, "centroid_bd": 64}):
+    for tuning in ({"rb": 4, "kth_rb": 4, "kth_warps": 2, "centroid_bd": 16},
+                   {"rb": 1, "kth_rb": 1, "centroid_bd": 64},
+                   {"rb": 4, "scores_here": True}):
         _compare(validate(q, k, v, tail=True, sink_blocks=(0, 1), **kw), tuning=tuning)
 
 
@@ -387,3 +390,48 @@ def test_vsa_plan_with_an_infinite_key_matches_torch_plan(mode, value):
         want = build_vsa_plan(problem, k_vid, P, mode)
         got = build_vsa_plan(problem, k_vid, P, mode, fused=True)
         assert torch.equal(got.dense_mask(), want.dense_mask()), k_vid
+
+
+def _kth_scores(kind, rows, n, gen):
+    if kind == "normal":
+        return torch.randn(rows, n, generator=gen)
+    if kind == "spread":      # magnitudes 1e-30 .. 1e30, both signs: bisection over values alone stalls
+        mag = 10.0 ** (torch.rand(rows, n, generator=gen) * 60 - 30)
+        return mag * torch.where(torch.rand(rows, n, generator=gen) < 0.5, -1.0, 1.0)
+    if kind == "ties":        # few distinct values, so thresholds fall inside runs of ties
+        return torch.randint(-3, 4, (rows, n), generator=gen).float()
+    s = torch.randn(rows, n, generator=gen)   # "inf": infinities of both signs among finite scores
+    s[:, ::7] = float("inf")
+    s[:, 3::11] = float("-inf")
+    return s
+
+
+@pytest.mark.parametrize("kind", ["normal", "spread", "ties", "inf"])
+@pytest.mark.parametrize("n", [64, 70, 583])
+def test_kth_kernel_finds_the_kth_largest_key(kind, n):
+    """kth_kernel against the definition on hand-made score rows: theta = the order key of the kk-th
+    largest non-sink score, or a key between it and the next (count(key >= theta) == kk, the same
+    set); n a power of two (one piece) and not (two), sinks excluded, rows of 1 and 2 per program."""
+    from solattn.backends.triton.kernel import compiled
+    from solattn.routing import fused_kernels as fk
+    gen = torch.Generator().manual_seed(n)
+    G, R = 2, 8                          # the first R rows of each batch * head: the interpreter is slow
+    scores = _kth_scores(kind, G * n, n, gen).view(G, n, n).contiguous()
+    s0, s1 = 1, 3
+    key = scores.view(torch.int32).clone()
+    key = torch.where(scores == 0, torch.zeros_like(key), key)
+    key = key ^ ((key >> 31) & 0x7FFFFFFF)                     # order keys, as order_key makes them
+    cand = torch.ones(n, dtype=torch.bool)
+    cand[s0:s1] = False
+    ck = key[:, :R][..., cand]
+    NA = 1 << (n.bit_length() - 1)
+    NB = 0 if n == NA else max(16, fused._pow2(n - NA))
+    for kk in (1, n // 5, n - 3):
+        kth = ck.sort(-1, descending=True).values[..., kk - 1]
+        for rb in (1, 2):
+            theta = torch.empty(G, n, dtype=torch.int32)
+            compiled(True, fk.kth_kernel)[(R // rb, G)](scores, theta, n, kk, s0, s1, NA=NA, NB=NB, RB=rb)
+            theta = theta[:, :R]
+            count = (ck >= theta[..., None]).sum(-1)
+            assert (count >= kk).all(), (kind, kk, rb)
+            assert ((theta == kth) | (count == kk)).all(), (kind, kk, rb)

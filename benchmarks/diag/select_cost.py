@@ -34,12 +34,16 @@ dev = torch.device("cuda")
 #: (rb 4 since session 14: 0.03 ms faster than 8 in three runs; centroid_bd 32: 0.01-0.05 ms faster than 128);
 #: three probes per bisection pass (+0.13 ms), key tiles looped in one scores program (+0.08-0.11 ms)
 #: and selecting a bisection tile's whole rows at once (+0.13 ms) lost and were removed.
-TOPK = ["", "rb=8", "select_warps=8", "block_i=32"]
+#: session 19: the bisection in its own kernel (kth_kernel, one warp per program by default): rows
+#: per program and warps
+TOPK = ["", "kth_rb=1", "kth_rb=4", "kth_rb=4 kth_warps=2", "kth_rb=8 kth_warps=2", "kth_rb=8 kth_warps=4",
+        "kth_rb=1 kth_warps=2", "kth_rb=16 kth_warps=4"]
 #: the pooled-terms kernel (session 15): rows per program, key blocks per chunk, warps, stages; at 133d104
 #: (default 64 rows, 8 warps) 16 rows in 4 warps took 0.33 ms, 32 rows 0.41, 64 rows 0.63-0.75, 128 rows 0.69
-TAU = ["", "pool_bj=32", "pool_bi=16 pool_bj=64", "pool_bi=16 pool_warps=2", "pool_bi=16 pool_warps=8",
-       "pool_bi=16 pool_stages=2", "pool_bi=32 pool_bj=16 pool_warps=4", "pool_bi=32 pool_warps=8",
-       "pool_bi=64 pool_bj=32 pool_warps=8"]
+#: (session 15 swept "pool_bj=32", "pool_bi=16 pool_bj=64", "pool_bi=16 pool_warps=2" / "8",
+#: "pool_bi=16 pool_stages=2", "pool_bi=32 pool_bj=16 pool_warps=4", "pool_bi=32 pool_warps=8",
+#: "pool_bi=64 pool_bj=32 pool_warps=8": results/h200/session15/3fd1bbc/select_cost.txt)
+TAU = [""]
 
 
 def sweep(q, k, v):

@@ -57,6 +57,10 @@ from .select import topk_count
 #: 35a8db0}/select_cost.txt)
 _SELECT_TILE_ELEMS = 4096
 
+#: keys per thread of the top-k bisection in :func:`.fused_kernels.kth_kernel` (rows of n scores,
+#: padded to a power of two, in one warp while they fit: 2 of H3's 1024-wide rows per program)
+_KTH_KEYS_PER_THREAD = 64
+
 #: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums). None: "tf32x3" (three
 #: TF32 tensor-core passes with the operands split in high and low parts, about fp32 accuracy) on
 #: NVIDIA GPUs with TF32 (compute capability 8.0 and up), else "ieee" (fp32 FMA, exact products). On an
@@ -232,7 +236,15 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     block_i = tuning.get("block_i", 16 if not ieee or D > 128 or interpret or G * -(-n // 32) < 264 else 32)
     bj = tuning.get("bj", 64 if D <= 64 else 32)
     NP = _pow2(n)
+    # a row of n scores as two power-of-two pieces (kth_keys): the largest power of two <= n, then
+    # the rest padded (at least 16 wide)
+    NA = 1 << (n.bit_length() - 1)
+    NB = 0 if n == NA else max(16, _pow2(n - NA))
     rb = tuning.get("rb", max(1, min(block_i, _SELECT_TILE_ELEMS // NP)))
+    # the top-k bisection's own kernel (kth_kernel): rows per program and warps, so that each
+    # thread holds at most _KTH_KEYS_PER_THREAD keys, in one warp while whole rows allow it
+    kth_rb = tuning.get("kth_rb", max(1, min(NP, _KTH_KEYS_PER_THREAD * 32 // NP)))
+    kth_warps = tuning.get("kth_warps", max(1, min(8, kth_rb * NP // (_KTH_KEYS_PER_THREAD * 32))))
     c = problem.scale * math.log2(math.e)
     kv_num = torch.empty(G, n, dtype=i32, device=dev)
     kv_idx = torch.empty(G, n, n, dtype=i32, device=dev)
@@ -254,10 +266,13 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
             num_warps=tuning.get("scores_warps", 4))
     theta = torch.empty(G, n, dtype=i32, device=dev) if sel == 1 else kv_num
     thr = torch.empty(G, n, dtype=f32, device=dev) if sel == 0 else m
+    if sel == 1 and not scores_here:
+        compiled(interpret, fk.kth_kernel)[(-(-n // kth_rb), G)](
+            scratch, theta, n, kk, s0, s1, NA=NA, NB=NB, RB=kth_rb, num_warps=kth_warps)
     compiled(interpret, fk.select_kernel)[(-(-n // block_i), G)](
         qm, km, centroid, var, L, scratch, theta, thr, kv_num, kv_idx, touch,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
-        SEL=sel, NEAR=near, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NP=NP, RB=rb, BLOCK=BLOCK,
+        SEL=sel, NEAR=near, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NA=NA, NB=NB, RB=rb, BLOCK=BLOCK,
         DOT=precision, SCORES_HERE=scores_here,
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **_stages(tuning, "select_stages"))

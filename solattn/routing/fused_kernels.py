@@ -180,20 +180,103 @@ def exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1,
 
 
 @gpu_jit
+def key_value(key):
+    """The fp32 value whose :func:`order_key` is ``key`` (the map is its own inverse on the bits)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@gpu_jit
+def candidate_keys(Scratch, gn, rr, rok, c0, n, s0, s1, W: tl.constexpr):
+    """Order keys of the scores of rows ``rr`` against key blocks ``c0 .. c0 + W``, the smallest
+    int32 where a block is no candidate (past n or a sink), and whether each block is one."""
+    cols = c0 + tl.arange(0, W)
+    cand = (cols < n) & ((cols < s0) | (cols >= s1))
+    key = order_key(score_tile(Scratch, gn, rr, cols, rok, cand, n))
+    return tl.where(cand[None, :], key, -2147483648), cand
+
+
+@gpu_jit
+def kth_keys(Scratch, gn, rr, rok, n, kk, s0, s1, NA: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr):
+    """The order key (:func:`order_key`) of the kk-th largest score outside the sink key blocks
+    ``[s0, s1)`` of query-block rows ``rr`` (RB of them, ``rok`` the real ones) of one batch *
+    head: ``order_key(score) >= theta`` then keeps exactly those kk, or more on ties.
+
+    Bisection over the int32 keys of whole rows held in registers, as two power-of-two pieces of
+    NA and NB (0: none) blocks, so that a row of n = 583 (H3) takes 640 lanes, not 1024."""
+    key_a, cand_a = candidate_keys(Scratch, gn, rr, rok, 0, n, s0, s1, NA)
+    lo = tl.min(tl.where(cand_a[None, :], key_a, 2147483647), 1)
+    hi = tl.max(key_a, 1)
+    n_cand = tl.sum(cand_a.to(tl.int32), 0)
+    key_b = key_a     # (unused without a second piece)
+    if NB > 0:
+        key_b, cand_b = candidate_keys(Scratch, gn, rr, rok, NA, n, s0, s1, NB)
+        lo = tl.minimum(lo, tl.min(tl.where(cand_b[None, :], key_b, 2147483647), 1))
+        hi = tl.maximum(hi, tl.max(key_b, 1))
+        n_cand += tl.sum(cand_b.to(tl.int32), 0)
+    # Bisection between the row's smallest and largest candidate keys, with the invariant
+    # cnt_lo = count(key >= lo) >= kk > count(key >= hi). A row is settled when cnt_lo == kk
+    # (key >= lo is then exactly its kk largest: the same set as ">= the kk-th largest", as no
+    # candidate lies in between) or hi == lo + 1 (lo is the kk-th largest key, ties included); the
+    # loop ends when all RB rows have. Non-candidates hold the smallest key and are never counted:
+    # every probe lies above lo (a settled row whose hi == lo + 1 probes lo, and its lo and hi
+    # stay as they are).
+    # The probe is the key of the midpoint of the interval's values, which halves the range
+    # of the scores, where the keys' midpoint halves the range of their bit patterns (a
+    # logarithmic scale: from [-3, 3] it probes 0, then 1e-19, ...). On H3's scores that took 9-10
+    # halvings per row on average against 14 (bisection over keys alone, max 20-22 against 25-26).
+    # Every fourth probe, and whenever the values' midpoint is not strictly inside the interval
+    # (adjacent values, infinities, NaN), is the keys' midpoint, which bounds the halvings by
+    # 4 x 32 whatever the scores' spread (values from 1e-30 to 1e30: at most 31 measured).
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64) + 1
+    cnt_lo = tl.zeros([RB], tl.int32) + n_cand
+    unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
+    step = 0
+    while unsettled > 0:
+        mid = (lo + hi) >> 1
+        vmid = order_key(0.5 * key_value(lo.to(tl.int32)) + 0.5 * key_value((hi - 1).to(tl.int32))).to(tl.int64)
+        mid = tl.where((vmid > lo) & (vmid < hi) & (step % 4 != 3), vmid, mid)
+        m32 = mid.to(tl.int32)[:, None]
+        cnt = tl.sum((key_a >= m32).to(tl.int32), 1)
+        if NB > 0:
+            cnt += tl.sum((key_b >= m32).to(tl.int32), 1)
+        ge = cnt >= kk
+        lo = tl.where(ge, mid, lo)
+        cnt_lo = tl.where(ge, cnt, cnt_lo)
+        hi = tl.where(ge, hi, mid)
+        unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
+        step += 1
+    return lo.to(tl.int32)
+
+
+@gpu_jit
+def kth_kernel(Scratch, Theta, n, kk, s0, s1, NA: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr):
+    """:func:`kth_keys` of RB query-block rows of one batch * head (program ids: row tile, batch *
+    head) into ``Theta``, for the select and pooled-terms kernels. A kernel of its own so that it
+    runs at its own width: in one warp each count of the bisection is a reduction within the warp
+    (shuffles), where inside the select kernel's 4 warps every halving also crossed warps through
+    shared memory and a barrier (see ``fused._fused_plan``)."""
+    g = tl.program_id(1).to(tl.int64)
+    rr = tl.program_id(0) * RB + tl.arange(0, RB)
+    rok = rr < n
+    tl.store(Theta + g * n + rr, kth_keys(Scratch, g * n, rr, rok, n, kk, s0, s1, NA, NB, RB), mask=rok)
+
+
+@gpu_jit
 def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
                   KvNum, KvIdx, Touch,
                   n, c, cc, tau, kk, s0, s1, q0, q1,
                   SEL: tl.constexpr,          # 0: tau, 1: top-k, 2: forced blocks only
                   NEAR: tl.constexpr,         # |i - j| <= 1 forced (sol_attn; not VSA)
                   HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
-                  NP: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
+                  NA: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                   DOT: tl.constexpr,             # tl.dot input_precision of the scores (SCORES_HERE)
                   SCORES_HERE: tl.constexpr):    # this kernel writes the scores into Scratch (IEEE
                                                  # products), not scores_kernel
     """Selection of one tile of BLOCK_I query-block rows of one batch * head, from the scores in
-    ``Scratch``: the tau threshold (stored in ``Thr``) or the k-th largest score (its order key
-    stored in ``Theta``), then ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and
-    ``touches_dead``. The pooled terms are :func:`pooled_kernel`'s."""
+    ``Scratch``: the tau threshold (computed here, stored in ``Thr``) or the k-th largest score
+    (its order key in ``Theta``: from :func:`kth_kernel`, or found here with SCORES_HERE), then ``kv_num_blocks``, ``kv_indices``
+    (ascending, 0-padded) and ``touches_dead``. The pooled terms are :func:`pooled_kernel`'s."""
     g, i0, ii, row_ok, dims, cols, gn = row_tile(n, BLOCK_I, HEAD_DIM, BJ)
     thr = tl.zeros([BLOCK_I], tl.float32)
     theta = tl.zeros([BLOCK_I], tl.int32)
@@ -213,35 +296,13 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
             tl.store(score_ptrs(Scratch, gn, ii, jj, n), r, mask=row_ok[:, None] & ok[None, :])
         tl.debug_barrier()
     if SEL == 1:
-        # the kk-th largest score per row (bisection over keys) from the scratch
-        allc = tl.arange(0, NP)
-        cand_ok = (allc < n) & ((allc < s0) | (allc >= s1))
-        for r0 in range(0, BLOCK_I, RB):
-            rr = i0 + r0 + tl.arange(0, RB)
-            rok = rr < n
-            r = score_tile(Scratch, gn, rr, allc, rok, cand_ok, n)
-            key = order_key(r)
-            # bisection between the row's smallest and largest candidate keys, with the
-            # invariant cnt_lo = count(key >= lo) >= kk > count(key >= hi). A row is settled when
-            # cnt_lo == kk (key >= lo is then exactly its kk largest: the same set as ">= the
-            # kk-th largest", as no candidate lies in between) or hi == lo + 1 (lo is the kk-th
-            # largest key, ties included). Random scores settle in about half of the 32 halvings
-            # a full int32 range takes; the loop ends when all RB rows have.
-            lo = tl.min(tl.where(cand_ok[None, :], key, 2147483647), 1).to(tl.int64)
-            hi = tl.max(tl.where(cand_ok[None, :], key, -2147483648), 1).to(tl.int64) + 1
-            cnt_lo = tl.zeros([RB], tl.int32) + tl.sum(cand_ok.to(tl.int32), 0)
-            unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
-            while unsettled > 0:
-                mid = (lo + hi) >> 1
-                cnt = tl.sum(((key >= mid.to(tl.int32)[:, None]) & cand_ok[None, :]).to(tl.int32), 1)
-                ge = cnt >= kk
-                lo = tl.where(ge, mid, lo)
-                cnt_lo = tl.where(ge, cnt, cnt_lo)
-                hi = tl.where(ge, hi, mid)
-                unsettled = unsettled_rows(cnt_lo, lo, hi, kk)
-            tl.store(Theta + gn + rr, lo.to(tl.int32), mask=rok)
-        tl.debug_barrier()
-        theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)
+        if SCORES_HERE:     # the scores were written just now: their k-th largest here too
+            for r0 in range(0, BLOCK_I, RB):
+                rr = i0 + r0 + tl.arange(0, RB)
+                rok = rr < n
+                tl.store(Theta + gn + rr, kth_keys(Scratch, gn, rr, rok, n, kk, s0, s1, NA, NB, RB), mask=rok)
+            tl.debug_barrier()
+        theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)    # else kth_kernel's
     count = tl.zeros([BLOCK_I], tl.int32)
     touches = tl.zeros([BLOCK_I], tl.int32)
     for j0 in range(0, n, BJ):
