@@ -226,7 +226,7 @@ def test_launch_settings_of_large_problems(mode):
     # the tiny problems here default to one tile and one program: force the split
     q, k, v = make_qkv(2, 900, 2, 64, dtype=torch.float32, seed=12)
     kw = dict(topk_ratio=0.3) if mode == "topk" else dict(tau=0.5)
-    for tuning in ({"rb": 4, "kth_rb": 4, "kth_warps": 2, "centroid_bd": 16},
+    for tuning in ({"rb": 4, "kth_rb": 4, "kth_warps": 2, "centroid_bd": 16, "scores_bk": 16},
                    {"rb": 1, "kth_rb": 1, "centroid_bd": 64},
                    {"rb": 4, "scores_here": True}):
         _compare(validate(q, k, v, tail=True, sink_blocks=(0, 1), **kw), tuning=tuning)

@@ -30,8 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import solattn  # noqa: E402
 from plan_h3_fused import MODES, ratio_summary  # noqa: E402
+from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.bench.timing import time_calls  # noqa: E402
+from solattn.routing import fused  # noqa: E402
 from solattn.testing import make_qkv, rel_l2  # noqa: E402
+from solattn.validation import validate  # noqa: E402
 
 dev = torch.device("cuda")
 CALLS = 5
@@ -118,6 +121,13 @@ def host_profile(label="top-k 20 %", calls=20, top=25):
             call()
             prof.disable()
         torch.cuda.synchronize()
+        problem = validate(q, k, v, **kw)
+        plan = fused.fused_plan(problem)
+        parts = {"validate": lambda: validate(q, k, v, **kw), "fused plan": lambda: fused.fused_plan(problem),
+                 "kernel launch": lambda: tb.launch(problem, plan), "whole call": call}
+        busy = lambda: F.scaled_dot_product_attention(qt, kt, vt)  # noqa: E731
+        print("\nhost issue ms (no profiler): " + ", ".join(f"{name} {host_issue_ms(fn, busy):.3f}"
+                                                             for name, fn in parts.items()))
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     print(f"\n## host profile, {label}, {calls} calls issued while the GPU is busy\n{buf.getvalue()}")

@@ -36,8 +36,12 @@ dev = torch.device("cuda")
 #: and selecting a bisection tile's whole rows at once (+0.13 ms) lost and were removed.
 #: session 19: the bisection in its own kernel (kth_kernel, one warp per program by default): rows
 #: per program and warps
-TOPK = ["", "kth_rb=1", "kth_rb=4", "kth_rb=4 kth_warps=2", "kth_rb=8 kth_warps=2", "kth_rb=8 kth_warps=4",
-        "kth_rb=1 kth_warps=2", "kth_rb=16 kth_warps=4"]
+#: (134c0ec: "kth_rb=1" / "2" / "4", "kth_rb=4 kth_warps=2", "kth_rb=8 kth_warps=2" / "4",
+#: "kth_rb=1 kth_warps=2", "kth_rb=16 kth_warps=4"; one row in one warp kept); then the scores GEMM
+#: over BK head dims per step, pipelined
+TOPK = ["", "scores_bk=32", "scores_bk=32 scores_stages=3", "scores_bk=64 scores_stages=2",
+        "scores_bk=32 scores_stages=2 scores_warps=8", "scores_bk=32 scores_tile=128 scores_warps=8",
+        "scores_bk=16 scores_stages=4", "scores_tile=32 scores_bk=32 scores_stages=3"]
 #: the pooled-terms kernel (session 15): rows per program, key blocks per chunk, warps, stages; at 133d104
 #: (default 64 rows, 8 warps) 16 rows in 4 warps took 0.33 ms, 32 rows 0.41, 64 rows 0.63-0.75, 128 rows 0.69
 #: (session 15 swept "pool_bj=32", "pool_bi=16 pool_bj=64", "pool_bi=16 pool_warps=2" / "8",

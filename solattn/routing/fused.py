@@ -57,9 +57,11 @@ from .select import topk_count
 #: 35a8db0}/select_cost.txt)
 _SELECT_TILE_ELEMS = 4096
 
-#: keys per thread of the top-k bisection in :func:`.fused_kernels.kth_kernel` (rows of n scores,
-#: padded to a power of two, in one warp while they fit: 2 of H3's 1024-wide rows per program)
-_KTH_KEYS_PER_THREAD = 64
+#: keys per thread of the top-k bisection in :func:`.fused_kernels.kth_kernel`: rows of n scores
+#: (padded to a power of two) in one warp while they fit, one row of H3's per program. At H3 on an
+#: H200 the kernel took 0.079-0.083 ms so, against 0.083-0.088 ms with 2 rows, 0.11-0.12 with 4
+#: (1 or 2 warps) and 0.10-0.11 ms with one row in 2 warps (results/h200/session19/134c0ec)
+_KTH_KEYS_PER_THREAD = 32
 
 #: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums). None: "tf32x3" (three
 #: TF32 tensor-core passes with the operands split in high and low parts, about fp32 accuracy) on
@@ -186,7 +188,9 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     launch parameters replacing the chosen ones, keys ``means_warps``, ``centroid_bd`` (head dims
     per centroid program), ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
     bisection tile), ``select_warps``, ``select_stages``,
-    ``scores_tile``, ``scores_warps``, ``scores_here`` (the select kernel computes the scores
+    ``kth_rb``, ``kth_warps`` (rows per program and warps of the top-k bisection),
+    ``scores_tile``, ``scores_warps``, ``scores_bk`` (head dims per step of the scores GEMM),
+    ``scores_stages``, ``scores_here`` (the select kernel computes the scores
     instead of the scores kernel), and for the pooled-terms kernel ``pool_bi`` (query-block rows
     per program), ``pool_bj`` (key blocks per chunk), ``pool_warps``, ``pool_stages`` and
     ``pool_dot`` (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32")."""
@@ -262,8 +266,8 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     if not scores_here:
         bm = tuning.get("scores_tile", 64)
         compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // bm), G)](
-            qm, km, centroid, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, DOT=precision,
-            num_warps=tuning.get("scores_warps", 4))
+            qm, km, centroid, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, BK=min(D, tuning.get("scores_bk", D)),
+            DOT=precision, num_warps=tuning.get("scores_warps", 4), **_stages(tuning, "scores_stages"))
     theta = torch.empty(G, n, dtype=i32, device=dev) if sel == 1 else kv_num
     thr = torch.empty(G, n, dtype=f32, device=dev) if sel == 0 else m
     if sel == 1 and not scores_here:

@@ -80,11 +80,17 @@ def centroid_kernel(Km, Mout, Var, n,
 
 
 @gpu_jit
-def mean_rows(Means, gn, rows, ok, HEAD_DIM: tl.constexpr):
-    """Block means ``rows`` of one batch * head from an ``(G n, HEAD_DIM)`` fp32 table whose row
-    ``gn`` is the head's first (0 where not ``ok``)."""
-    dims = tl.arange(0, HEAD_DIM)
+def mean_cols(Means, gn, rows, ok, d0, HEAD_DIM: tl.constexpr, W: tl.constexpr):
+    """Dims ``d0 .. d0 + W`` of block means ``rows`` of one batch * head from an ``(G n,
+    HEAD_DIM)`` fp32 table whose row ``gn`` is the head's first (0 where not ``ok``)."""
+    dims = d0 + tl.arange(0, W)
     return tl.load(Means + (gn + rows)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+
+
+@gpu_jit
+def mean_rows(Means, gn, rows, ok, HEAD_DIM: tl.constexpr):
+    """:func:`mean_cols` over every dim."""
+    return mean_cols(Means, gn, rows, ok, 0, HEAD_DIM, HEAD_DIM)
 
 
 @gpu_jit
@@ -103,31 +109,41 @@ def score_tile(Scores, gn, ii, jj, ii_ok, jj_ok, n):
 
 
 @gpu_jit
+def centred_dot(q, Km, m, gn, jj, ok, d0, acc, HEAD_DIM: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
+    """``acc + q . (km_j - m)`` over dims ``d0 .. d0 + W`` of query-block means ``q`` (those dims)
+    against key blocks ``jj`` (0 where not ``ok``); ``m``: the centroid's same dims."""
+    kmc = mean_cols(Km, gn, jj, ok, d0, HEAD_DIM, W)
+    kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
+    return tl.dot(q, tl.trans(kmc), acc, input_precision=DOT)
+
+
+@gpu_jit
 def centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM: tl.constexpr, DOT: tl.constexpr):
     """``c q . (km_j - m)`` of query-block means ``q`` against key blocks ``jj`` (0 where not ``ok``)."""
-    kmc = mean_rows(Km, gn, jj, ok, HEAD_DIM)
-    kmc = tl.where(ok[:, None], kmc - m[None, :], 0.0)
-    return tl.dot(q, tl.trans(kmc), input_precision=DOT) * c
+    acc = tl.zeros([q.shape[0], jj.shape[0]], tl.float32)
+    return centred_dot(q, Km, m, gn, jj, ok, 0, acc, HEAD_DIM, HEAD_DIM, DOT) * c
 
 
 @gpu_jit
 def scores_kernel(Qm, Km, Mean, Scores, n, c,
-                  HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  DOT: tl.constexpr):
     """Routing scores ``c qm_i . (km_j - m)`` of one (BM query blocks, BN key blocks) tile of one
-    batch * head into the ``(G, n, n)`` fp32 ``Scores``: a plain tiled GEMM, so the select kernel
-    reads its scores instead of recomputing them from the key means for every 16 query blocks
-    (0.13 ms at H3 on an H200 against 0.43 ms inside the select kernel)."""
+    batch * head into the ``(G, n, n)`` fp32 ``Scores``: a plain tiled GEMM over BK dims at a time,
+    so the select kernel reads its scores instead of recomputing them from the key means for
+    every 16 query blocks (0.13 ms at H3 on an H200 against 0.43 ms inside the select kernel)."""
     g = tl.program_id(2).to(tl.int64)
     ii = tl.program_id(0) * BM + tl.arange(0, BM)
     jj = tl.program_id(1) * BN + tl.arange(0, BN)
-    dims = tl.arange(0, HEAD_DIM)
     gn = g * n
     row_ok = ii < n
-    q = mean_rows(Qm, gn, ii, row_ok, HEAD_DIM)
-    m = tl.load(Mean + g * HEAD_DIM + dims)
     ok = jj < n
-    r = centred_scores(q, Km, m, gn, jj, ok, c, HEAD_DIM, DOT)
-    tl.store(score_ptrs(Scores, gn, ii, jj, n), r, mask=row_ok[:, None] & ok[None, :])
+    acc = tl.zeros([BM, BN], tl.float32)
+    for d0 in range(0, HEAD_DIM, BK):
+        q = mean_cols(Qm, gn, ii, row_ok, d0, HEAD_DIM, BK)
+        m = tl.load(Mean + g * HEAD_DIM + d0 + tl.arange(0, BK))
+        acc = centred_dot(q, Km, m, gn, jj, ok, d0, acc, HEAD_DIM, BK, DOT)
+    tl.store(score_ptrs(Scores, gn, ii, jj, n), acc * c, mask=row_ok[:, None] & ok[None, :])
 
 
 @gpu_jit
