@@ -1,10 +1,11 @@
-"""The routing plan of ``sol_attn`` in five Triton kernels (GPU inference path), and of
+"""The routing plan of ``sol_attn`` in six Triton kernels (GPU inference path), and of
 ``video_sparse_attn`` through the same kernels with VSA's :class:`Rule` (:func:`vsa_rule`).
 
 The torch plan (:func:`.plan.assemble_plan`) is a few dozen small operations plus one host
 synchronisation (the width of ``kv_indices``); on a GPU at small T it is launch-bound and
-costs more than the attention kernel. Here the same plan takes at most five launches (three
-without tail and coarse terms and with IEEE products) and no sync:
+costs more than the attention kernel. Here the same plan takes at most six launches (five
+without the tail and coarse terms, three in tau mode without them and with IEEE products) and no
+sync:
 
 1. :func:`.fused_kernels.means_kernel`, one program per (block, batch * head): fp32 means of q, k, v over
    the live rows of the block, and the live lengths ``L_j``.
@@ -15,12 +16,16 @@ without tail and coarse terms and with IEEE products) and no sync:
    an ``(n, n)`` fp32 scratch per batch * head. A tiled GEMM reads the key means once per 64
    query blocks; recomputed inside the select kernel for every 16 query blocks they cost
    0.43 ms at H3 on an H200, as a separate kernel 0.13 ms. (With IEEE products the select kernel writes them instead.)
-4. :func:`.fused_kernels.select_kernel`, one program per (tile of query-block rows, batch * head),
-   reading the scratch: the threshold (tau) or the k-th largest score (top-k, found by bisection
-   over order-preserving int32 keys, ties kept like ``cand >= theta``), each stored for the next
-   kernel, the forced blocks, ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and
+4. (top-k) :func:`.fused_kernels.kth_kernel`, one single-warp program per query-block row and
+   batch * head: the k-th largest score of the row (bisection over order-preserving int32 keys,
+   ties kept like ``cand >= theta``), stored for the next kernels. In its own kernel since session
+   19: at H3 on an H200 0.08 ms, where inside the select kernel's 4 warps the search (then
+   probing the keys' midpoint only) took 0.2 ms.
+5. :func:`.fused_kernels.select_kernel`, one program per (tile of query-block rows, batch * head),
+   reading the scratch: the threshold (tau, stored for the next kernel) or the k-th largest
+   score's key, the forced blocks, ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and
    ``touches_dead``.
-5. :func:`.fused_kernels.pooled_kernel` (tail or coarse branch only), one program per (16
+6. :func:`.fused_kernels.pooled_kernel` (tail or coarse branch only), one program per (16
    query-block rows, batch * head): the tail and coarse terms by an online softmax over key-block
    chunks of the scratch, with the select kernel's stored thresholds deciding (through the same
    :func:`.fused_kernels.exact_blocks`) which blocks are pooled.
@@ -256,7 +261,9 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     # The scores of every (query block, key block) pair into an (n, n) fp32 scratch per batch *
     # head, read by the select and pooled-terms kernels: by a tiled GEMM, 64 x 64 tiles in 4 warps
     # (0.13 ms at H3, against 0.34 ms with 32 x 32 tiles, 0.22 ms with 8 warps, 0.21-0.25 ms with
-    # key tiles looped over in one program, 045cf55). With IEEE products (FMA, no tensor cores:
+    # key tiles looped over in one program, 045cf55), over 32 head dims per step (0.120 against
+    # 0.130-0.131 ms in one step of 128; 16 or 64 per step, 2-4 stages, 128 x 128 tiles: no
+    # better, results/h200/session19/04dc0ec). With IEEE products (FMA, no tensor cores:
     # ROCm, or DOT_PRECISION = "ieee") that GEMM took 5.3 ms at H3 against 2.3-2.5 ms for the
     # select kernel computing the scores itself in 32-row tiles, so there the select kernel
     # writes them (SCORES_HERE).
@@ -266,7 +273,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     if not scores_here:
         bm = tuning.get("scores_tile", 64)
         compiled(interpret, fk.scores_kernel)[(-(-n // bm), -(-n // bm), G)](
-            qm, km, centroid, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, BK=min(D, tuning.get("scores_bk", D)),
+            qm, km, centroid, scratch, n, c, HEAD_DIM=D, BM=bm, BN=bm, BK=min(D, tuning.get("scores_bk", 32)),
             DOT=precision, num_warps=tuning.get("scores_warps", 4), **_stages(tuning, "scores_stages"))
     theta = torch.empty(G, n, dtype=i32, device=dev) if sel == 1 else kv_num
     thr = torch.empty(G, n, dtype=f32, device=dev) if sel == 0 else m
