@@ -358,3 +358,27 @@ def test_custom_node_folder_exports_the_node():
     spec.loader.exec_module(folder)
     assert folder.NODE_CLASS_MAPPINGS == {node.NODE_ID: node.SolAttnModelSparseAttention}
     assert folder.NODE_DISPLAY_NAME_MAPPINGS == {node.NODE_ID: "Model Sparse Attention (solattn)"}
+
+
+def test_sigma_read_once_per_sigmas_tensor():
+    """The schedule's sigma is read from the device once per sigmas tensor (one model step), not
+    once per attention call: a GPU tensor's read waits for the device. An in-place change and a
+    new tensor are read again; reset() forgets the cache."""
+    state = node.SparseAttention(node.Settings())
+    reads = []
+
+    class Counting(torch.Tensor):
+        def __float__(self):
+            reads.append(1)
+            return super().__float__()
+
+    sigmas = torch.tensor([0.7, 0.3]).as_subclass(Counting)
+    assert [state.first_sigma(sigmas) for _ in range(5)] == [pytest.approx(0.7)] * 5
+    assert len(reads) == 1
+    sigmas.mul_(0.5)                                   # in place: the version moves
+    assert state.first_sigma(sigmas) == pytest.approx(0.35) and len(reads) == 2
+    other = torch.tensor([0.2]).as_subclass(Counting)
+    assert state.first_sigma(other) == pytest.approx(0.2) and len(reads) == 3
+    state.reset()
+    assert state.first_sigma(other) == pytest.approx(0.2) and len(reads) == 4
+    assert state.first_sigma([0.9, 0.1]) == pytest.approx(0.9)

@@ -135,10 +135,27 @@ class SparseAttention:
         self.patch_size = tuple(int(p) for p in patch_size)
         self.installed = set()   # override closures this object put on the hook
         self._logged = set()
+        self._sigma = None       # (sigmas tensor, its version, its first sigma): see first_sigma
 
     # -- bookkeeping ------------------------------------------------------------------------
     def reset(self):
         self._logged.clear()
+        self._sigma = None
+
+    def first_sigma(self, sigmas) -> float:
+        """``sigmas``' first entry as a float. ComfyUI hands every attention call of one model step
+        the same ``sigmas`` tensor, usually on the GPU, where reading it waits for the device: so it
+        is read once per tensor (and again after an in-place change), not once per attention
+        call, which would stop the host from queueing the next layers' work while the GPU runs.
+        The cache holds the tensor itself, so a new tensor never takes a freed one's identity."""
+        if not isinstance(sigmas, torch.Tensor):
+            return float(sigmas[0])
+        cached = self._sigma
+        if cached is not None and cached[0] is sigmas and cached[1] == sigmas._version:
+            return cached[2]
+        value = float(sigmas.reshape(-1)[0])
+        self._sigma = (sigmas, sigmas._version, value)
+        return value
 
     def note(self, key, message: str):
         """Log ``message`` once per ``key`` until the next :meth:`reset` (one line per reason)."""
@@ -152,7 +169,7 @@ class SparseAttention:
         s = self.settings
         sigmas = transformer_options.get("sigmas")
         if sigmas is not None:
-            sigma = float(sigmas.reshape(-1)[0]) if isinstance(sigmas, torch.Tensor) else float(sigmas[0])
+            sigma = self.first_sigma(sigmas)
             if sigma > s.sigma_start or sigma < s.sigma_end:
                 return "schedule", (f"dense: sigma {sigma:.4g} is outside the start/end window "
                                     f"[{s.sigma_end:.4g}, {s.sigma_start:.4g}]")
