@@ -382,3 +382,25 @@ def test_sigma_read_once_per_sigmas_tensor():
     state.reset()
     assert state.first_sigma(other) == pytest.approx(0.2) and len(reads) == 4
     assert state.first_sigma([0.9, 0.1]) == pytest.approx(0.9)
+
+
+@torch.no_grad()
+def test_h3_vsa_keeps_an_earlier_block_patch(comfy, caplog):
+    """Another node's replacement of block 0, installed before vsa, still runs (around the block that
+    vsa's attention runs in) instead of being silently replaced; one line says so."""
+    patcher, layout, h = h3_setup(comfy, layers=1)
+    kwargs = dict(method="vsa", keep_percent=10.0, start_percent=0.0, end_percent=1.0, min_tokens=0)
+    plain = node.apply(patcher, **kwargs).apply_model(h, layout, sigma=0.5)
+    seen = []
+
+    def earlier(args, extra):                  # e.g. a node that rescales a block's output
+        seen.append("attention" in args)
+        return {"img": 2.0 * extra["original_block"](args)["img"]}
+
+    other = patcher.clone()
+    other.set_model_patch_replace(earlier, "dit", "double_block", 0)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    out = node.apply(other, **kwargs).apply_model(h, layout, sigma=0.5)
+    assert seen == [True], "the earlier patch runs once, handed vsa's attention"
+    torch.testing.assert_close(out, 2.0 * plain, rtol=0, atol=0)
+    assert len(node_lines(caplog, "vsa wraps 1 block patch")) == 1

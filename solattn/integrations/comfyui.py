@@ -326,12 +326,18 @@ class SparseAttention:
 
         return override
 
-    def make_h3_block_patch(self, block, block_index: int) -> Callable:
+    def make_h3_block_patch(self, block, block_index: int, previous: Optional[Callable] = None) -> Callable:
         """The ``("dit", "double_block", i)`` replacement: the original block, whose attention
-        call gets the VSA override when this call is inside the sparse settings."""
+        call gets the VSA override when this call is inside the sparse settings. ``previous``:
+        another node's replacement of the same block, installed before this one; it runs in the
+        original block's place (with the VSA attention in its ``args``), so that node's change is
+        kept rather than silently replaced."""
         attn = block.attn
 
         def block_patch(args, extra):
+            def run(block_args):
+                return extra["original_block"](block_args) if previous is None else previous(block_args, extra)
+
             h, opts = args["img"], args["transformer_options"]
             tokens = h.shape[-2]
             reason = self.dense_reason(opts, tokens, block_index)
@@ -342,7 +348,7 @@ class SparseAttention:
                     reason = ("layout", f"dense: {geometry}")
             if reason is not None:
                 self.note(reason[0], reason[1])
-                return extra["original_block"](args)
+                return run(args)
             grid, prefix = geometry
 
             def attention(x, rope_freqs=None, transformer_options={}):
@@ -353,7 +359,7 @@ class SparseAttention:
                 return attn(x, rope_freqs=rope_freqs,
                             transformer_options={**transformer_options, OVERRIDE_KEY: override})
 
-            return extra["original_block"]({**args, "attention": attention})
+            return run({**args, "attention": attention})
 
         return block_patch
 
@@ -424,8 +430,15 @@ def apply(model, *, method: str, tau: float = 1.3, keep_percent: float = 10.0,
     from comfy.patcher_extension import CallbacksMP
     m.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, lambda model_patcher: state.reset())
     if method == "vsa":
+        earlier = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+        chained = 0
         for i, block in enumerate(diffusion_model.blocks):
-            m.set_model_patch_replace(state.make_h3_block_patch(block, i), "dit", "double_block", i)
+            previous = earlier.get(("double_block", i))
+            chained += previous is not None
+            m.set_model_patch_replace(state.make_h3_block_patch(block, i, previous), "dit", "double_block", i)
+        if chained:
+            log.info("%s: vsa wraps %d block patch(es) another node installed earlier; they run inside "
+                     "it, with the sparse attention", DISPLAY_NAME, chained)
         if getattr(diffusion_model.blocks[0].attn, "to_gate_compress", None) is None:
             log.warning("%s: the model has no to_gate_compress layers; vsa runs the sparse fine stage "
                         "without the coarse branch", DISPLAY_NAME)
