@@ -328,11 +328,35 @@ def test_node_class_surface():
 
 
 def test_parse_block_list():
-    assert node.parse_block_list("0, 1, 47-49") == {0, 1, 47, 48, 49}
-    assert node.parse_block_list(" 3 5 - 6 ") == {3, 5, 6}
+    assert node.parse_block_list("0, 1, 47-49") == {(None, i) for i in (0, 1, 47, 48, 49)}
+    assert node.parse_block_list(" 3 5 - 6 ") == {(None, 3), (None, 5), (None, 6)}
+    assert node.parse_block_list("double:0-1, Single : 5 7") == {("double", 0), ("double", 1), ("single", 5),
+                                                                 (None, 7)}
     assert node.parse_block_list("") == frozenset()
-    with pytest.raises(ValueError, match="'dense_blocks' received '1, x'"):
-        node.parse_block_list("1, x")
+    for bad in ("1, x", "single:", "a:b:1", "1-"):
+        with pytest.raises(ValueError, match=f"'dense_blocks' received '{bad}'"):
+            node.parse_block_list(bad)
+
+
+def test_dense_blocks_by_block_type(caplog):
+    """Flux-like models number their double and single blocks from 0 each and say which family a
+    call is in (transformer_options['block_type']): 'single:1' is dense in single block 1 only, a
+    bare index in both families; typed entries on a model without block_type are reported once."""
+    state = node.SparseAttention(node.Settings(min_tokens=0, dense_blocks=node.parse_block_list("single:1, 3")))
+
+    def reason(**opts):
+        r = state.dense_reason(opts, 1 << 16, opts.pop("block_index"))
+        return None if r is None else r[1]
+
+    assert reason(block_index=1, block_type="single") == "dense: block single:1 is in dense_blocks"
+    assert reason(block_index=1, block_type="double") is None
+    assert reason(block_index=3, block_type="double") == "dense: block double:3 is in dense_blocks"
+    assert reason(block_index=3) == "dense: block 3 is in dense_blocks"
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    assert reason(block_index=1) is None and reason(block_index=2) is None
+    assert len(node_lines(caplog, "entries with a block type have no effect")) == 1
+    # plain ints still mean "any family"
+    assert node.Settings(dense_blocks=frozenset({2})).dense_blocks == {(None, 2)}
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -54,26 +54,34 @@ def _fail(arg: str, received, allowed: str, exc=ValueError):
     raise exc(f"{DISPLAY_NAME}: argument '{arg}' received {received!r}; allowed: {allowed}")
 
 
-def parse_block_list(text) -> FrozenSet[int]:
-    """``"0, 1, 47-49"`` -> ``{0, 1, 47, 48, 49}``; empty text -> no blocks."""
-    allowed = "block indices and ranges separated by commas or spaces, e.g. '0, 1, 47-49'"
+#: a dense_blocks entry: (block type or None for any, block index)
+BlockKey = Tuple[Optional[str], int]
+
+
+def parse_block_list(text) -> FrozenSet[BlockKey]:
+    """``"0, 1, 47-49, single:3-4"`` -> ``{(None, 0), (None, 1), (None, 47), (None, 48), (None, 49),
+    ("single", 3), ("single", 4)}``; empty text -> no blocks. An entry without a type matches that
+    index in every block family; ``type:`` limits it to calls whose
+    ``transformer_options["block_type"]`` is that type (ComfyUI's Flux-like models number their
+    ``double`` and ``single`` blocks from 0 each)."""
+    allowed = ("block indices and ranges separated by commas or spaces, each optionally after a block "
+               "type, e.g. '0, 1, 47-49' or 'double:0-2, single:5'")
     if text is None:
         return frozenset()
     if not isinstance(text, str):
         _fail("dense_blocks", text, allowed, TypeError)
     blocks = set()
-    # spaces around a dash belong to the range; any other comma / space separates entries
-    for piece in re.split(r"[,\s]+", re.sub(r"\s*-\s*", "-", text.strip())):
+    # spaces around a dash or after a colon belong to the entry; any other comma / space separates
+    for piece in re.split(r"[,\s]+", re.sub(r"\s*:\s*", ":", re.sub(r"\s*-\s*", "-", text.strip()))):
         if not piece:
             continue
-        m = re.fullmatch(r"(\d+)-(\d+)|(\d+)", piece)
+        m = re.fullmatch(r"(?:([A-Za-z_]+):)?(\d+)(?:-(\d+))?", piece)
         if m is None:
             _fail("dense_blocks", text, allowed)
-        if m.group(3) is not None:
-            blocks.add(int(m.group(3)))
-        else:
-            a, b = int(m.group(1)), int(m.group(2))
-            blocks.update(range(min(a, b), max(a, b) + 1))
+        kind = None if m.group(1) is None else m.group(1).lower()
+        a = int(m.group(2))
+        b = a if m.group(3) is None else int(m.group(3))
+        blocks.update((kind, i) for i in range(min(a, b), max(a, b) + 1))
     return frozenset(blocks)
 
 
@@ -87,7 +95,7 @@ class Settings:
     sigma_start: float = math.inf
     sigma_end: float = 0.0
     min_tokens: int = DEFAULT_MIN_TOKENS
-    dense_blocks: FrozenSet[int] = frozenset()
+    dense_blocks: FrozenSet[BlockKey] = frozenset()   # parse_block_list's; plain ints: any type
     sink_conditioning: str = "exact_kv_and_rows"
     vsa_prefix: str = "exempt"
 
@@ -110,6 +118,8 @@ class Settings:
             _fail("sink_conditioning", self.sink_conditioning, f"one of {SINK_MODES}")
         if self.vsa_prefix not in VSA_PREFIX_MODES:
             _fail("vsa_prefix", self.vsa_prefix, f"one of {VSA_PREFIX_MODES}")
+        object.__setattr__(self, "dense_blocks", frozenset(
+            (None, int(x)) if isinstance(x, numbers.Integral) else (x[0], int(x[1])) for x in self.dense_blocks))
 
     @property
     def topk_ratio(self) -> float:
@@ -181,8 +191,14 @@ class SparseAttention:
                 # silently running the listed blocks sparse
                 self.note("no_block_index", "dense_blocks has no effect: this model's attention calls "
                                             "carry no transformer_options['block_index'] (update ComfyUI)")
-            elif int(block_index) in s.dense_blocks:
-                return "dense_blocks", f"dense: block {int(block_index)} is in dense_blocks"
+            else:
+                i, kind = int(block_index), transformer_options.get("block_type")
+                if (None, i) in s.dense_blocks or (kind is not None and (str(kind).lower(), i) in s.dense_blocks):
+                    label = f"{kind}:{i}" if kind is not None else str(i)
+                    return "dense_blocks", f"dense: block {label} is in dense_blocks"
+                if kind is None and any(t is not None for t, _ in s.dense_blocks):
+                    self.note("no_block_type", "dense_blocks entries with a block type have no effect: this "
+                                               "model's attention calls carry no transformer_options['block_type']")
         return None
 
     def sinks(self, transformer_options, tokens: int):
@@ -485,7 +501,8 @@ class SolAttnModelSparseAttention:
             },
             "optional": {
                 "dense_blocks": ("STRING", {"default": "", "tooltip":
-                                            "Transformer blocks that always run dense, e.g. '0, 1, 47-49'."}),
+                                            "Transformer blocks that always run dense, e.g. '0, 1, 47-49'; in models with two "
+                                            "block families, 'double:0-2, single:5' (a bare index matches both)."}),
                 "min_tokens": ("INT", {"default": DEFAULT_MIN_TOKENS, "min": 0, "max": 1 << 20, "step": 512,
                                        "tooltip": "Sequences shorter than this stay dense."}),
                 "sink_conditioning": (list(SINK_MODES), {"default": "exact_kv_and_rows", "tooltip": (
