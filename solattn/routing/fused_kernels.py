@@ -291,8 +291,9 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
                                                  # products), not scores_kernel
     """Selection of one tile of BLOCK_I query-block rows of one batch * head, from the scores in
     ``Scratch``: the tau threshold (computed here, stored in ``Thr``) or the k-th largest score
-    (its order key in ``Theta``: from :func:`kth_kernel`, or found here with SCORES_HERE), then ``kv_num_blocks``, ``kv_indices``
-    (ascending, 0-padded) and ``touches_dead``. The pooled terms are :func:`pooled_kernel`'s."""
+    (its order key in ``Theta``: from :func:`kth_kernel`, or found here with SCORES_HERE), then
+    ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and ``touches_dead``. The pooled terms
+    are :func:`pooled_kernel`'s."""
     g, i0, ii, row_ok, dims, cols, gn = row_tile(n, BLOCK_I, HEAD_DIM, BJ)
     thr = tl.zeros([BLOCK_I], tl.float32)
     theta = tl.zeros([BLOCK_I], tl.int32)
