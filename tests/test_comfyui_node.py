@@ -357,6 +357,8 @@ def test_dense_blocks_by_block_type(caplog):
     assert len(node_lines(caplog, "entries with a block type have no effect")) == 1
     # plain ints still mean "any family"
     assert node.Settings(dense_blocks=frozenset({2})).dense_blocks == {(None, 2)}
+    # typed entries given directly compare like parsed ones (lower-case family)
+    assert node.Settings(dense_blocks=frozenset({("Single", 1)})).dense_blocks == {("single", 1)}
 
 
 @pytest.mark.parametrize("kwargs,match", [

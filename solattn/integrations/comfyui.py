@@ -118,8 +118,10 @@ class Settings:
             _fail("sink_conditioning", self.sink_conditioning, f"one of {SINK_MODES}")
         if self.vsa_prefix not in VSA_PREFIX_MODES:
             _fail("vsa_prefix", self.vsa_prefix, f"one of {VSA_PREFIX_MODES}")
+        # plain ints match every block family; families compare lower-case, as dense_reason reads them
         object.__setattr__(self, "dense_blocks", frozenset(
-            (None, int(x)) if isinstance(x, numbers.Integral) else (x[0], int(x[1])) for x in self.dense_blocks))
+            (None, int(x)) if isinstance(x, numbers.Integral)
+            else (None if x[0] is None else str(x[0]).lower(), int(x[1])) for x in self.dense_blocks))
 
     @property
     def topk_ratio(self) -> float:

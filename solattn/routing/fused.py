@@ -62,8 +62,9 @@ from .select import topk_count
 #: 35a8db0}/select_cost.txt)
 _SELECT_TILE_ELEMS = 4096
 
-#: keys per thread of the top-k bisection in :func:`.fused_kernels.kth_kernel`: rows of n scores
-#: (padded to a power of two) in one warp while they fit, one row of H3's per program. At H3 on an
+#: keys per thread of the top-k bisection in :func:`.fused_kernels.kth_kernel`, counted on rows
+#: padded to a power of two (the kernel holds no more: NA + NB lanes), in one warp while they fit,
+#: one row of H3's per program. At H3 on an
 #: H200 the kernel took 0.079-0.083 ms so, against 0.083-0.088 ms with 2 rows, 0.11-0.12 with 4
 #: (1 or 2 warps) and 0.10-0.11 ms with one row in 2 warps (results/h200/session19/134c0ec)
 _KTH_KEYS_PER_THREAD = 32
