@@ -56,7 +56,7 @@ TAU = [""]
 POOL = ["", "pool_bd=128", "pool_bd=128 pool_warps=8", "pool_bj=64", "pool_bj=16", "pool_bi=32",
         "pool_bi=32 pool_bd=128", "pool_bi=32 pool_bd=32", "pool_bd=32", "pool_bi=128 pool_warps=8",
         "pool_bi=16 pool_bj=16 pool_bd=128", "pool_stages=2", "pool_stages=3", "pool_bi=32 pool_bj=64",
-        "pool_dot=tf32"]
+        "pool_dot=tf32", "means_warps=4", "means_warps=1"]
 
 
 def sweep(q, k, v, modes=MODES, cases=None):
