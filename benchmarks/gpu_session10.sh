@@ -14,7 +14,6 @@
 #   e2e         diag/e2e_h3.py: sol_attn against dense at H3, one synchronised call and calls queued back
 #               to back, with the host's issue time (session 19; about 2 minutes)
 #   select_cost diag/select_cost.py: fused-plan launch sweep and e2e GPU timeline at H3
-#   pool        diag/select_cost.py pool: the pooled-terms kernel's tiles, tau 1 + tail at H3 and the seed (session 20)
 #   seed_eager  diag/seed_eager.py: host cost of eager seed-shape calls (cProfile)
 #   pingpong    diag/pingpong_h3.py check h3: the ping-pong Gluon kernel (kernel_pingpong.py) against the
 #               production kernel, checked on small shapes, then timed at H3 (sessions 16-17; about 5 minutes,
@@ -60,8 +59,6 @@ for step in "$@"; do
          grep -E "^\|" "$OUT/e2e.txt" ;;
     timeline) timeout 120 python benchmarks/diag/select_cost.py timeline > "$OUT/timeline.txt" 2>&1
               grep -E "^##|start" "$OUT/timeline.txt" | cut -c1-160 ;;
-    pool) timeout 240 python benchmarks/diag/select_cost.py pool > "$OUT/pool.txt" 2>&1
-          grep -E "^#|plan|failed" "$OUT/pool.txt" | cut -c1-260 ;;
     select_cost) timeout 240 python benchmarks/diag/select_cost.py > "$OUT/select_cost.txt" 2>&1
                  grep -E "^##|plan|failed|start" "$OUT/select_cost.txt" | cut -c1-260 ;;
     seed_eager) timeout 90 python benchmarks/diag/seed_eager.py > "$OUT/seed_eager.txt" 2>&1
@@ -83,6 +80,6 @@ for step in "$@"; do
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline pool select_cost seed_eager pingpong vsa vsa_profile stalls flex" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong vsa vsa_profile stalls flex" >&2; exit 2 ;;
   esac
 done

@@ -149,9 +149,8 @@ def test_scores_from_either_kernel(mode, scores_here, tail):
 
 @pytest.mark.parametrize("mode", ["topk", "tau", "forced"])
 def test_pooled_terms_in_small_tiles(mode):
-    # several row tiles, key chunks and dim slices of the pooled-terms kernel (n = 21: 16-row
-    # tiles, 16-block chunks, the last of each ragged; D = 32 in two slices of 16), with sinks, both
-    # branches on; "forced": top-k whose
+    # several row tiles and key chunks of the pooled-terms kernel (n = 21: 16-row tiles, 16-block
+    # chunks, the last of each ragged), with sinks, both branches on; "forced": top-k whose
     # sinks leave one block, so only forced blocks are exact
     q, k, v = make_qkv(1, 1300, 2, 32, dtype=torch.float32, seed=12)
     gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(3))
@@ -161,7 +160,7 @@ def test_pooled_terms_in_small_tiles(mode):
         sinks = (0, 20)
         assert solattn.routing.select.topk_count(0.3, 21 - 20) == 0
     _compare(validate(q, k, v, tail=True, coarse_gate=gate, sink_blocks=sinks, sink_q=(7, 8), **kw),
-             tuning={"pool_bi": 16, "pool_bj": 16, "pool_bd": 16})
+             tuning={"pool_bi": 16, "pool_bj": 16})
 
 
 def test_sol_attn_triton_uses_fused_plan_and_matches_torch_plan(monkeypatch):

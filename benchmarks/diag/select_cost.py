@@ -7,10 +7,7 @@ The ablations that led here (a copy of the select kernel with parts switched off
 scores pass 0.43 ms, bisection 0.29 ms, scatter 0.09 ms of a 1.55 ms plan at top-k 10 %) are in
 ``results/h200/session13/a036e4b/select_cost.txt``; their code is in the history at a036e4b.
 
-    python benchmarks/diag/select_cost.py [sweep] [timeline] [pool]   # default: sweep, timeline
-
-``pool``: the pooled-terms kernel's tiles (``POOL``) in tau mode with the tail, at H3 and at the
-seed shape (B=2, T=4056, H=16).
+    python benchmarks/diag/select_cost.py [sweep] [timeline]        # default: both
 """
 
 from __future__ import annotations
@@ -51,23 +48,17 @@ TOPK = ["", "scores_bk=32", "scores_bk=32 scores_stages=3", "scores_bk=64 scores
 #: "pool_bi=16 pool_stages=2", "pool_bi=32 pool_bj=16 pool_warps=4", "pool_bi=32 pool_warps=8",
 #: "pool_bi=64 pool_bj=32 pool_warps=8": results/h200/session15/3fd1bbc/select_cost.txt)
 TAU = [""]
-#: session 20: the two-pass pooled-terms kernel (row maxima first, then the sums without rescaling),
-#: with head-dim slices per program (pool_bd): rows, key blocks per chunk, dims, warps, stages
-POOL = ["", "pool_bd=128", "pool_bd=128 pool_warps=8", "pool_bj=64", "pool_bj=16", "pool_bi=32",
-        "pool_bi=32 pool_bd=128", "pool_bi=32 pool_bd=32", "pool_bd=32", "pool_bi=128 pool_warps=8",
-        "pool_bi=16 pool_bj=16 pool_bd=128", "pool_stages=2", "pool_stages=3", "pool_bi=32 pool_bj=64",
-        "pool_dot=tf32", "means_warps=4", "means_warps=1"]
 
 
-def sweep(q, k, v, modes=MODES, cases=None):
-    for label, kw in modes:
+def sweep(q, k, v):
+    for label, kw in MODES:
         problem = validate(q, k, v, **kw)
         with torch.no_grad():
             want = build_plan(problem)
             # with a tail: the output's error against the definition (fp32 sdpa) with each plan
             ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw) if problem.tail else None
             print(f"\n## {label}", flush=True)
-            for case in cases or (TOPK if "topk_ratio" in kw else TAU):
+            for case in (TOPK if "topk_ratio" in kw else TAU):
                 tuning = {key: int(val) if val.isdigit() else val for key, val in (kv.split("=") for kv in case.split())}
                 try:
                     got = fused._fused_plan(problem, tuning)
@@ -109,11 +100,6 @@ if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), open("COMMIT").read().strip() if Path("COMMIT").exists() else "")
     q, k, v = make_qkv(1, 37296, 56, 128, dtype=torch.bfloat16, device=dev, seed=0)
     what = sys.argv[1:] or ["sweep", "timeline"]
-    if "pool" in what:
-        tau = [m for m in MODES if "tau" in m[1]]
-        sweep(q, k, v, tau, POOL)
-        print("\n# seed shape (B=2, T=4056, H=16)")
-        sweep(*make_qkv(2, 4056, 16, 128, dtype=torch.bfloat16, device=dev, seed=0), tau, POOL)
     if "sweep" in what:
         sweep(q, k, v)
     if "timeline" in what:

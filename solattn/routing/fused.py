@@ -25,11 +25,10 @@ sync:
    reading the scratch: the threshold (tau, stored for the next kernel) or the k-th largest
    score's key, the forced blocks, ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and
    ``touches_dead``.
-6. :func:`.fused_kernels.pooled_kernel` (tail or coarse branch only), one program per (tile of
-   query-block rows, batch * head, slice of head dims): the tail and coarse terms in two passes
-   over key-block chunks of the scratch (each row's largest logit, then the sums), with the select
-   kernel's stored thresholds deciding (through the same :func:`.fused_kernels.exact_blocks`)
-   which blocks are pooled.
+6. :func:`.fused_kernels.pooled_kernel` (tail or coarse branch only), one program per (16
+   query-block rows, batch * head): the tail and coarse terms by an online softmax over key-block
+   chunks of the scratch, with the select kernel's stored thresholds deciding (through the same
+   :func:`.fused_kernels.exact_blocks`) which blocks are pooled.
 
 ``kv_indices`` is ``(B, H, n, n)``: its width is fixed at n rather than the largest count, so
 no count has to reach the host before it is allocated (ties at a top-k threshold can select
@@ -69,13 +68,6 @@ _SELECT_TILE_ELEMS = 4096
 #: H200 the kernel took 0.079-0.083 ms so, against 0.083-0.088 ms with 2 rows, 0.11-0.12 with 4
 #: (1 or 2 warps) and 0.10-0.11 ms with one row in 2 warps (results/h200/session19/134c0ec)
 _KTH_KEYS_PER_THREAD = 32
-
-#: the pooled-terms kernel's tile (:func:`.fused_kernels.pooled_kernel`): query-block rows per
-#: program, key blocks per chunk, head dims per program; and its warps. Before the two-pass kernel
-#: (an online softmax over 16 rows x all dims, 16 blocks per chunk) it took 0.23 ms at H3 in tau
-#: mode with the tail on an H200 (results/h200/session15/3fd1bbc)
-POOLED_TILE = (64, 32, 64)
-POOLED_WARPS = 4
 
 #: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums). None: "tf32x3" (three
 #: TF32 tensor-core passes with the operands split in high and low parts, about fp32 accuracy) on
@@ -206,7 +198,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     ``scores_tile``, ``scores_warps``, ``scores_bk`` (head dims per step of the scores GEMM),
     ``scores_stages``, ``scores_here`` (the select kernel computes the scores
     instead of the scores kernel), and for the pooled-terms kernel ``pool_bi`` (query-block rows
-    per program), ``pool_bj`` (key blocks per chunk), ``pool_bd`` (head dims per program), ``pool_warps``, ``pool_stages`` and
+    per program), ``pool_bj`` (key blocks per chunk), ``pool_warps``, ``pool_stages`` and
     ``pool_dot`` (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32")."""
     tuning = tuning or {}
     from ..backends.triton.kernel import compiled  # imports Triton
@@ -300,13 +292,17 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if tail else m
     coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
     if tail or coarse:
-        # POOLED_TILE: query-block rows per program, key blocks per chunk, head dims per program
-        bi, bj, bd = (tuning.get(key, dflt) for key, dflt in zip(("pool_bi", "pool_bj", "pool_bd"), POOLED_TILE))
-        bd = min(D, bd)
-        compiled(interpret, fk.pooled_kernel)[(-(-n // bi), G, D // bd)](
+        # 16 query-block rows per program, 16 key blocks per chunk, 4 warps: at H3 in tau mode
+        # with the tail (H200, results/h200/session15/) 0.23 ms, against 0.32-0.33 ms with 32 or
+        # 64 blocks per chunk, 0.29-0.31 ms with 2 or 8 warps or 2 stages, 0.36-0.46 ms with 32
+        # rows and 0.63-0.84 ms with 64 or 128 (tf32x3 products spill at 4 warps, 8 warps hold
+        # one program per SM); the select kernel then takes 0.10 ms, where with the pooled
+        # terms inside it took 0.68 ms
+        bi = tuning.get("pool_bi", 16)
+        compiled(interpret, fk.pooled_kernel)[(-(-n // bi), G)](
             vm, L, scratch, theta, thr, tail_lse, tail_value, coarse_out, n, s0, s1, q0, q1,
-            SEL=sel, NEAR=near, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=bj, BD=bd,
-            POOL_DOT=tuning.get("pool_dot", precision), num_warps=tuning.get("pool_warps", POOLED_WARPS),
+            SEL=sel, NEAR=near, HAS_TAIL=tail, HAS_COARSE=coarse, HEAD_DIM=D, BI=bi, BJ=tuning.get("pool_bj", 16),
+            POOL_DOT=tuning.get("pool_dot", precision), num_warps=tuning.get("pool_warps", 8 if bi >= 64 else 4),
             **_stages(tuning, "pool_stages"))
 
     def bh(x: torch.Tensor) -> torch.Tensor:

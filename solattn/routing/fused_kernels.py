@@ -343,50 +343,29 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
 
 
 @gpu_jit
-def pooled_logits(Scratch, Lens, gn, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, n,
-                  SEL: tl.constexpr, NEAR: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
-                  BI: tl.constexpr, BJ: tl.constexpr):
-    """Base-2 logits of the pooled terms of rows ``ii`` against key blocks ``jj`` (``-inf``: no
-    term): the tail's ``r + log2 L_j`` over the blocks :func:`exact_blocks` leaves out, and the
-    coarse branch's ``r`` over every block (centred scores differ from ``scale qm . km`` by a
-    per-row constant, which a softmax ignores)."""
-    r = score_tile(Scratch, gn, ii, jj, row_ok, ok, n)
-    zt = r
-    zc = r
-    if HAS_TAIL:
-        sel = exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, SEL, BI, BJ, NEAR)
-        L = tl.load(Lens + jj, mask=ok, other=1)
-        zt = tl.where(sel | ~ok[None, :], float("-inf"), r + tl.log2(L.to(tl.float32))[None, :])
-    if HAS_COARSE:
-        zc = tl.where(ok[None, :], r, float("-inf"))
-    return zt, zc
-
-
-@gpu_jit
-def finite_or_zero(mx):
-    """A row's shift for ``exp2``: its largest logit, 0 where it has none (every term ``-inf``)."""
-    return tl.where(mx == float("-inf"), 0.0, mx)
+def pooled_update(z, mx, sm, acc, vm, POOL_DOT: tl.constexpr):
+    """Fold one chunk of base-2 logits ``z`` (``-inf``: not a term) with values ``vm`` into an
+    online softmax ``(max, sum, weighted sum)``; a row with nothing finite yet keeps max -inf."""
+    new = tl.maximum(mx, tl.max(z, 1))
+    ref = tl.where(new == float("-inf"), 0.0, new)
+    alpha = tl.math.exp2(mx - ref)
+    p = tl.math.exp2(z - ref[:, None])
+    return new, sm * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, vm, input_precision=POOL_DOT)
 
 
 @gpu_jit
 def pooled_kernel(Vm, Lens, Scratch, Theta, Thr, TailLse, TailValue, Coarse,
                   n, s0, s1, q0, q1,
                   SEL: tl.constexpr, NEAR: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_COARSE: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr,
                   POOL_DOT: tl.constexpr):      # tl.dot input_precision of the p @ vm products
-    """The pooled terms of BI query-block rows over BD of the head dims of one batch * head
-    (program ids: row tile, batch * head, dim slice): the tail (``tail_lse``, ``tail_value``)
-    over the blocks :func:`exact_blocks` leaves out, weighted by their live lengths, and the
-    coarse branch (a softmax over every block), from the stored scores in chunks of BJ key blocks.
-
-    Two passes over the row's scores: the first finds each row's largest logit, so the second
-    adds ``exp2(z - max) @ vm`` into its accumulators without rescaling them chunk by chunk (the
-    online softmax this replaced, 16 rows by all 128 dims, took 0.23 ms at H3 on an H200).
-    A kernel of its own because inside the select kernel its products and accumulators crowded
-    the registers (12.5 % occupancy on an H200)."""
-    g, i0, ii, row_ok, _, cols, gn = row_tile(n, BI, HEAD_DIM, BJ)
-    d0 = tl.program_id(2) * BD
-    dims = d0 + tl.arange(0, BD)
+    """The pooled terms of BI query-block rows of one batch * head, by an online softmax over
+    chunks of BJ key blocks of the stored scores: the tail (``tail_lse``, ``tail_value``) over
+    the blocks :func:`exact_blocks` leaves out, weighted by their live lengths, and the coarse
+    branch (a softmax over every block). It is a kernel of its own because inside the select
+    kernel its ``p @ vm`` products and accumulators crowded the registers (12.5 % occupancy on
+    an H200); here it runs at its own tile sizes (``fused._fused_plan``)."""
+    g, i0, ii, row_ok, dims, cols, gn = row_tile(n, BI, HEAD_DIM, BJ)
     thr = tl.zeros([BI], tl.float32)
     theta = tl.zeros([BI], tl.int32)
     if SEL == 0:
@@ -394,40 +373,32 @@ def pooled_kernel(Vm, Lens, Scratch, Theta, Thr, TailLse, TailValue, Coarse,
     if SEL == 1:
         theta = tl.load(Theta + gn + ii, mask=row_ok, other=0)
     t_max = tl.full([BI], float("-inf"), tl.float32)
-    c_max = tl.full([BI], float("-inf"), tl.float32)
-    for j0 in range(0, n, BJ):
-        jj = j0 + cols
-        zt, zc = pooled_logits(Scratch, Lens, gn, ii, jj, row_ok, jj < n, thr, theta, s0, s1, q0, q1, n,
-                               SEL, NEAR, HAS_TAIL, HAS_COARSE, BI, BJ)
-        t_max = tl.maximum(t_max, tl.max(zt, 1))
-        c_max = tl.maximum(c_max, tl.max(zc, 1))
-    t_ref = finite_or_zero(t_max)
-    c_ref = finite_or_zero(c_max)
     t_sum = tl.zeros([BI], tl.float32)
-    t_acc = tl.zeros([BI, BD], tl.float32)
+    t_acc = tl.zeros([BI, HEAD_DIM], tl.float32)
+    c_max = tl.full([BI], float("-inf"), tl.float32)
     c_sum = tl.zeros([BI], tl.float32)
-    c_acc = tl.zeros([BI, BD], tl.float32)
+    c_acc = tl.zeros([BI, HEAD_DIM], tl.float32)
     for j0 in range(0, n, BJ):
         jj = j0 + cols
         ok = jj < n
-        zt, zc = pooled_logits(Scratch, Lens, gn, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, n,
-                               SEL, NEAR, HAS_TAIL, HAS_COARSE, BI, BJ)
-        vm = mean_cols(Vm, gn, jj, ok, d0, HEAD_DIM, BD)
+        r = score_tile(Scratch, gn, ii, jj, row_ok, ok, n)
+        vm = mean_rows(Vm, gn, jj, ok, HEAD_DIM)
         if HAS_TAIL:
-            p = tl.math.exp2(zt - t_ref[:, None])
-            t_sum += tl.sum(p, 1)
-            t_acc = tl.dot(p, vm, t_acc, input_precision=POOL_DOT)
+            sel = exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1, SEL, BI, BJ, NEAR)
+            L = tl.load(Lens + jj, mask=ok, other=1)
+            # base-2 logits of the pooled tail: scale qm.kmc / ln 2 + log2 L_j
+            z = tl.where(sel | ~ok[None, :], float("-inf"), r + tl.log2(L.to(tl.float32))[None, :])
+            t_max, t_sum, t_acc = pooled_update(z, t_max, t_sum, t_acc, vm, POOL_DOT)
         if HAS_COARSE:
-            p = tl.math.exp2(zc - c_ref[:, None])
-            c_sum += tl.sum(p, 1)
-            c_acc = tl.dot(p, vm, c_acc, input_precision=POOL_DOT)
+            # softmax over every block; centred scores differ from scale qm.km by a per-row constant
+            z = tl.where(ok[None, :], r, float("-inf"))
+            c_max, c_sum, c_acc = pooled_update(z, c_max, c_sum, c_acc, vm, POOL_DOT)
     out = (gn + ii)[:, None] * HEAD_DIM + dims[None, :]
     if HAS_TAIL:
         live = t_sum > 0.0
-        if tl.program_id(2) == 0:
-            lse = tl.where(live, (t_max + tl.log2(tl.where(live, t_sum, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
-            tl.store(TailLse + gn + ii, lse, mask=row_ok)
+        lse = tl.where(live, (t_max + tl.log2(tl.where(live, t_sum, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        tl.store(TailLse + gn + ii, lse, mask=row_ok)
         tl.store(TailValue + out, t_acc / tl.where(live, t_sum, 1.0)[:, None], mask=row_ok[:, None])
     if HAS_COARSE:
         tl.store(Coarse + out, c_acc / tl.where(c_sum > 0.0, c_sum, 1.0)[:, None], mask=row_ok[:, None])
