@@ -69,14 +69,12 @@ class Launcher:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.cache: Dict[Tuple, Any] = {}
-        # anything but a JITFunction (a test's stand-in) always takes its own kernel[grid]
-        self.known = hasattr(kernel, "fn") and hasattr(kernel, "params")
-        params = list(inspect.signature(kernel.fn).parameters.values()) if self.known else []
+        params = list(inspect.signature(kernel.fn).parameters.values())
         self.names = [p.name for p in params]
         self.name_set = frozenset(self.names)
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-        self.constexpr = {p.name for p in kernel.params if p.is_constexpr} if self.known else set()
+        self.constexpr = {p.name for p in kernel.params if p.is_constexpr}
+        self.cache: Dict[Tuple, Any] = {}
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
@@ -101,7 +99,7 @@ class Launcher:
         return full
 
     def launch(self, grid, args, kwargs):
-        key = self._key(args, kwargs) if ENABLED and self.known and not callable(grid) else None
+        key = self._key(args, kwargs) if ENABLED and not callable(grid) else None
         compiled = self.cache.get(key) if key is not None else None
         if compiled is None:
             compiled = self.kernel[grid](*args, **kwargs)
