@@ -19,13 +19,3 @@ def vsa_plan_marks(monkeypatch):
 
     monkeypatch.setattr(solattn.video, "build_vsa_plan", spy)
     return marks
-
-
-def pytest_configure(config):
-    # on a GPU every cache hit of the launch cache is checked against the compiled kernel Triton
-    # itself would run (solattn.backends.triton.launcher.CHECK): the whole suite exercises its key
-    import importlib.util
-    import torch
-    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
-        from solattn.backends.triton import launcher as launch
-        launch.CHECK = True

@@ -12,12 +12,7 @@ Per mode it prints the medians, the median and range of the per-round ratios (de
 the output's relative error against the fp32 definition, and the host's wall time to issue one
 call while the GPU is busy (``perf_counter`` around the call, no synchronisation).
 
-    python benchmarks/diag/e2e_h3.py [host] [paths] [seed]
-
-``host``: then a cProfile of top-k 20 % calls. ``paths`` (session 20): every round also times
-``sol_attn`` with every launch through Triton's own ``kernel[grid]`` path
-(``solattn.backends.triton.launcher.ENABLED = False``), the rows marked "Triton launch path", against
-the launch cache (the default). ``seed``: the seed shape in eager calls, both launch paths.
+    python benchmarks/diag/e2e_h3.py [host]      # host: then a cProfile of top-k 20 % calls
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import solattn  # noqa: E402
 from plan_h3_fused import MODES, ratio_summary  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
-from solattn.backends.triton import launcher  # noqa: E402
 from solattn.bench.timing import time_calls  # noqa: E402
 from solattn.routing import fused  # noqa: E402
 from solattn.testing import make_qkv, rel_l2  # noqa: E402
@@ -72,18 +66,7 @@ def host_issue_ms(fn, busy, calls=10):
     return statistics.median(out)
 
 
-def triton_path(fn):
-    """``fn`` with every launch through Triton's ``kernel[grid]`` (the launch cache off)."""
-    def run():
-        launcher.ENABLED = False
-        try:
-            return fn()
-        finally:
-            launcher.ENABLED = True
-    return run
-
-
-def main(paths=False):
+def main():
     print(torch.__version__, torch.cuda.get_device_name(), open("COMMIT").read().strip() if Path("COMMIT").exists() else "")
     q, k, v = make_qkv(1, 37296, 56, 128, dtype=torch.bfloat16, device=dev, seed=0)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -101,58 +84,22 @@ def main(paths=False):
             ref = solattn.sol_attn(q.float(), k.float(), v.float(), backend="sdpa", **kw)
             err = rel_l2(call().float(), ref)
             del ref
-            fns = {"dense": dense, "sol": call}
-            if paths:
-                fns["triton"] = triton_path(call)
-            for fn in fns.values():
+            for fn in (dense, call):
                 time_calls(fn, dev, 0, 2)
-            one = {name: [] for name in fns}
-            queued = {name: [] for name in fns}
+            one = {"dense": [], "sol": []}
+            queued = {"dense": [], "sol": []}
             for r in range(ROUNDS):
-                order = list(fns.items())[::1 if r % 2 == 0 else -1]
+                order = [("dense", dense), ("sol", call)][::1 if r % 2 == 0 else -1]
                 for name, fn in order:
                     one[name] += time_calls(fn, dev, 1)
                 for name, fn in order:
                     queued[name].append(queued_ms(fn))
-            host = {name: host_issue_ms(fns[name], dense) for name in fns if name != "dense"}
-        for name in host:
-            md = {key: statistics.median(val) for key, val in (("d1", one["dense"]), ("s1", one[name]),
-                                                               ("dq", queued["dense"]), ("sq", queued[name]))}
-            row = label + (", Triton launch path" if name == "triton" else "")
-            print(f"| {row} | {md['d1']:.2f} | {md['s1']:.2f} | {ratio_summary(one['dense'], one[name])} | "
-                  f"{md['dq']:.2f} | {md['sq']:.2f} | {ratio_summary(queued['dense'], queued[name])} | "
-                  f"{host[name]:.3f} | {err:.2e} |", flush=True)
-
-
-def seed_eager(rounds=20):
-    """The seed shape (B=2, T=4056, H=16) in eager calls, where the host's work is the call's
-    time: one synchronised call and queued calls, launch cache against Triton's launch path."""
-    q, k, v = make_qkv(2, 4056, 16, 128, dtype=torch.bfloat16, device=dev, seed=0)
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    print("\n## seed shape, eager (ms; median of rounds)\n")
-    print("| mode | dense one call | cache one call | Triton path one call | dense queued | cache queued | "
-          "Triton path queued | host issue cache | host issue Triton path |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for label, kw in (("top-k 10 %", dict(topk_ratio=0.1, tail=False)), ("tau 1 + tail", dict(tau=1.0, tail=True))):
-        with torch.no_grad():
-            call = lambda: solattn.sol_attn(q, k, v, backend="triton", **kw)  # noqa: E731
-            fns = {"dense": lambda: F.scaled_dot_product_attention(qt, kt, vt), "cache": call,
-                   "triton": triton_path(call)}
-            for fn in fns.values():
-                time_calls(fn, dev, 0, 3)
-            one = {name: [] for name in fns}
-            queued = {name: [] for name in fns}
-            for r in range(rounds):
-                for name, fn in list(fns.items())[::1 if r % 2 == 0 else -1]:
-                    one[name] += time_calls(fn, dev, 1)
-                    queued[name].append(queued_ms(fn, 20))
-            big = lambda: F.scaled_dot_product_attention(qt.repeat(1, 4, 1, 1), kt.repeat(1, 4, 1, 1),  # noqa: E731
-                                                         vt.repeat(1, 4, 1, 1))
-            host = {name: host_issue_ms(fns[name], big) for name in ("cache", "triton")}
-        o = {name: statistics.median(val) for name, val in one.items()}
-        qd = {name: statistics.median(val) for name, val in queued.items()}
-        print(f"| {label} | {o['dense']:.3f} | {o['cache']:.3f} | {o['triton']:.3f} | {qd['dense']:.3f} | "
-              f"{qd['cache']:.3f} | {qd['triton']:.3f} | {host['cache']:.3f} | {host['triton']:.3f} |", flush=True)
+            host = host_issue_ms(call, dense)
+        md = {key: statistics.median(val) for key, val in (("d1", one["dense"]), ("s1", one["sol"]),
+                                                           ("dq", queued["dense"]), ("sq", queued["sol"]))}
+        print(f"| {label} | {md['d1']:.2f} | {md['s1']:.2f} | {ratio_summary(one['dense'], one['sol'])} | "
+              f"{md['dq']:.2f} | {md['sq']:.2f} | {ratio_summary(queued['dense'], queued['sol'])} | {host:.3f} | "
+              f"{err:.2e} |", flush=True)
 
 
 def host_profile(label="top-k 20 %", calls=20, top=25):
@@ -177,10 +124,7 @@ def host_profile(label="top-k 20 %", calls=20, top=25):
         problem = validate(q, k, v, **kw)
         plan = fused.fused_plan(problem)
         parts = {"validate": lambda: validate(q, k, v, **kw), "fused plan": lambda: fused.fused_plan(problem),
-                 "kernel launch": lambda: tb.launch(problem, plan), "whole call": call,
-                 "fused plan, Triton launch path": triton_path(lambda: fused.fused_plan(problem)),
-                 "kernel launch, Triton launch path": triton_path(lambda: tb.launch(problem, plan)),
-                 "whole call, Triton launch path": triton_path(call)}
+                 "kernel launch": lambda: tb.launch(problem, plan), "whole call": call}
         busy = lambda: F.scaled_dot_product_attention(qt, kt, vt)  # noqa: E731
         print("\nhost issue ms (no profiler): " + ", ".join(f"{name} {host_issue_ms(fn, busy):.3f}"
                                                              for name, fn in parts.items()))
@@ -190,8 +134,6 @@ def host_profile(label="top-k 20 %", calls=20, top=25):
 
 
 if __name__ == "__main__":
-    main(paths="paths" in sys.argv[1:])
-    if "seed" in sys.argv[1:]:
-        seed_eager()
+    main()
     if "host" in sys.argv[1:]:
         host_profile()

@@ -329,26 +329,17 @@ class _OnGpu:
     Triton's default: every kernel here was built and measured with ``a * b + c`` as one fused
     multiply-add (the softmax's scale and shift are one FMA per logit, ``softmax_update``), which
     Triton up to 3.9 did by default and 3.10 no longer does (3.9 warns on every first launch that
-    leaves it unset). Launched through :class:`.launcher.Launcher` (one per kernel), which skips
-    most of Triton's per-launch host work once a kernel has run with arguments of the same kind."""
+    leaves it unset)."""
 
     def __init__(self, kernel: JITFunction):
-        launcher = _LAUNCHERS.get(id(kernel))
-        if launcher is None or launcher.kernel is not kernel:
-            from .launcher import Launcher
-            launcher = _LAUNCHERS[id(kernel)] = Launcher(kernel)
-        self.launcher = launcher
+        self.kernel = kernel
 
     def __getitem__(self, grid):
-        launcher = self.launcher
+        launch = self.kernel[grid]
 
         def run(*args, **kwargs):
-            return launcher.launch(grid, args, dict(kwargs, enable_fp_fusion=True))
+            return launch(*args, enable_fp_fusion=True, **kwargs)
         return run
-
-
-#: id(JITFunction) -> its Launcher
-_LAUNCHERS: dict = {}
 
 
 def compiled(interpret: bool, kernel: JITFunction = sol_attn_fwd):
