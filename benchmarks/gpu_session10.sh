@@ -13,6 +13,8 @@
 #   timeline    diag/select_cost.py timeline: the GPU timeline of one sol_attn call per mode at H3
 #   e2e         diag/e2e_h3.py: sol_attn against dense at H3, one synchronised call and calls queued back
 #               to back, with the host's issue time (session 19; about 2 minutes)
+#   host_parts  diag/host_parts.py: host time of each Triton launch in one sol_attn call and of a few
+#               primitives, at H3 and the seed shape (session 20; about a minute)
 #   select_cost diag/select_cost.py: fused-plan launch sweep and e2e GPU timeline at H3
 #   seed_eager  diag/seed_eager.py: host cost of eager seed-shape calls (cProfile)
 #   pingpong    diag/pingpong_h3.py check h3: the ping-pong Gluon kernel (kernel_pingpong.py) against the
@@ -57,6 +59,7 @@ for step in "$@"; do
              grep -E "^##|^fused|^kernel|^dense|^seed|^H3" "$OUT/plan_h3.txt" | cut -c1-420 ;;
     e2e) timeout 200 python benchmarks/diag/e2e_h3.py host > "$OUT/e2e.txt" 2>&1
          grep -E "^\|" "$OUT/e2e.txt" ;;
+    host_parts) timeout 200 python benchmarks/diag/host_parts.py > "$OUT/host_parts.txt" 2>&1; cat "$OUT/host_parts.txt" ;;
     timeline) timeout 120 python benchmarks/diag/select_cost.py timeline > "$OUT/timeline.txt" 2>&1
               grep -E "^##|start" "$OUT/timeline.txt" | cut -c1-160 ;;
     select_cost) timeout 240 python benchmarks/diag/select_cost.py > "$OUT/select_cost.txt" 2>&1
@@ -80,6 +83,6 @@ for step in "$@"; do
               >> "$OUT/flex.txt" 2>&1
           done
           grep -E "^device|^flex|^exact" "$OUT/flex.txt" ;;
-    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 timeline select_cost seed_eager pingpong vsa vsa_profile stalls flex" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: backward seed peers peers_seed graph_tests tests tests_x plan_h3 host_parts timeline select_cost seed_eager pingpong vsa vsa_profile stalls flex" >&2; exit 2 ;;
   esac
 done
