@@ -59,7 +59,7 @@ for step in "$@"; do
              grep -E "^##|^fused|^kernel|^dense|^seed|^H3" "$OUT/plan_h3.txt" | cut -c1-420 ;;
     e2e) timeout 200 python benchmarks/diag/e2e_h3.py host > "$OUT/e2e.txt" 2>&1
          grep -E "^\|" "$OUT/e2e.txt" ;;
-    host_parts) timeout 200 python benchmarks/diag/host_parts.py > "$OUT/host_parts.txt" 2>&1; cat "$OUT/host_parts.txt" ;;
+    host_parts) timeout 200 python benchmarks/diag/host_parts.py funcs > "$OUT/host_parts.txt" 2>&1; cat "$OUT/host_parts.txt" ;;
     timeline) timeout 120 python benchmarks/diag/select_cost.py timeline > "$OUT/timeline.txt" 2>&1
               grep -E "^##|start" "$OUT/timeline.txt" | cut -c1-160 ;;
     select_cost) timeout 240 python benchmarks/diag/select_cost.py > "$OUT/select_cost.txt" 2>&1

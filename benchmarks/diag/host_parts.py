@@ -7,7 +7,10 @@ SDPA, so that no launch waits for the device.
 Session 20: the device machines' hosts took 0.66-1.9 ms to issue one H3 call, and a launch cache
 that skipped ``JITFunction.run``'s binding and specialisation did not shorten it.
 
-    python benchmarks/diag/host_parts.py
+    python benchmarks/diag/host_parts.py [funcs]
+
+``funcs``: also the inclusive host time of each step of the call (validation, dispatch, the plan,
+the kernel's operands, ...), each wrapped with ``perf_counter`` in its module.
 """
 
 from __future__ import annotations
@@ -47,7 +50,38 @@ def primitive(fn, busy, n=200):
     return out
 
 
-def main():
+#: (module, function) pairs timed inclusively with ``funcs``
+FUNCS = (("solattn.ops", "validate"), ("solattn.dispatch", "choose"), ("solattn.ops", "plan_for"),
+         ("solattn.ops", "fused_plan_allowed"), ("solattn.ops", "backward_buffers"),
+         ("solattn.ops", "run_for_backward"), ("solattn.ops", "plain_eager"), ("solattn.ops", "eager_call"),
+         ("solattn.routing.fused", "fused_plan_usable"), ("solattn.routing.fused", "_fused_plan"),
+         ("solattn.routing.fused", "dot_precision"), ("solattn.backends.triton.backend", "kernel_operands"),
+         ("solattn.backends.triton.backend", "run_kernel"), ("solattn.backends.triton.backend", "_tma_ok"),
+         ("solattn.backends.base", "_compute_capability_reasons"))
+
+
+def wrap_funcs(record):
+    """Wrap every FUNCS entry that exists with a timer into ``record``; returns an undo list."""
+    import importlib
+    undo = []
+    for mod_name, name in FUNCS:
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, name, None)
+        if fn is None:
+            continue
+
+        def timed(*args, _fn=fn, _key=f"{mod_name.split('.')[-1]}.{name}", **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                record[_key].append(time.perf_counter() - t0)
+        setattr(mod, name, timed)
+        undo.append((mod, name, fn))
+    return undo
+
+
+def main(funcs=False):
     print(torch.__version__, torch.cuda.get_device_name(), open("COMMIT").read().strip() if Path("COMMIT").exists() else "")
     import triton
     print("triton", triton.__version__)
@@ -82,13 +116,19 @@ def main():
                          ("torch.empty(1024) on the GPU", lambda: torch.empty(1024, device=dev)),
                          ("x.add_(1) (one torch launch)", lambda: x.add_(1)),
                          ("TensorDescriptor of k", lambda: TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 64, 1, 128])),
-                         ("torch.cuda.current_device()", torch.cuda.current_device)):
+                         ("torch.cuda.current_device()", torch.cuda.current_device),
+                         ("torch.cuda.get_device_capability(dev)", lambda: torch.cuda.get_device_capability(dev)),
+                         ("torch.cuda.is_available()", torch.cuda.is_available),
+                         ("with torch.cuda.device(dev): pass", lambda: torch.cuda.device(dev).__enter__() or None),
+                         ("x.to(torch.int32).contiguous() (no-op)", lambda: x.int().to(torch.int32).contiguous())):
             print(f"  {name:34s} {us(primitive(fn, busy))}")
         for mode, kw in (("top-k 20 %", dict(topk_ratio=0.2, tail=False)), ("tau 1 + tail", dict(tau=1.0, tail=True))):
             with torch.no_grad():
                 call = lambda: solattn.sol_attn(q, k, v, backend="triton", **kw)  # noqa: E731
                 call()
                 tk.compiled = timed
+                steps = defaultdict(list)
+                undo = wrap_funcs(steps) if funcs else []
                 try:
                     launches.clear()
                     whole = []
@@ -101,13 +141,17 @@ def main():
                     torch.cuda.synchronize()
                 finally:
                     tk.compiled = real
+                    for mod, name, fn in undo:
+                        setattr(mod, name, fn)
             per_call = sum(sum(v) for v in launches.values()) / CALLS
             print(f"\n### {label} {mode}: whole call {us(whole)}; Triton launches {per_call * 1e6:.1f} us per call "
                   f"({sum(len(v) for v in launches.values()) // CALLS} launches), the rest "
                   f"{(statistics.median(whole) - per_call) * 1e6:.1f} us")
             for name, samples in launches.items():
                 print(f"  {name:24s} {us(samples)}")
+            for name, samples in steps.items():
+                print(f"  {name:40s} {us(samples)} x{len(samples) // CALLS}")
 
 
 if __name__ == "__main__":
-    main()
+    main(funcs="funcs" in sys.argv[1:])
