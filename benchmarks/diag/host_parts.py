@@ -38,6 +38,11 @@ def us(samples):
     return f"{statistics.median(samples) * 1e6:7.1f} us (p10 {sorted(samples)[len(samples) // 10] * 1e6:6.1f})"
 
 
+def _enter_exit(device):
+    with torch.cuda.device(device):
+        pass
+
+
 def primitive(fn, busy, n=200):
     torch.cuda.synchronize()
     busy()
@@ -110,6 +115,7 @@ def main(funcs=False):
         reps = max(1, 70 // max(1, int(B * H * T * T / 37296 / 37296 / 56 * 70)))
         busy = lambda: [F.scaled_dot_product_attention(qt, kt, vt) for _ in range(reps)]  # noqa: E731
         x = torch.zeros(1024, device=dev)
+        xi = torch.zeros(1024, dtype=torch.int32, device=dev)
         from triton.tools.tensor_descriptor import TensorDescriptor
         print(f"\n## {label} (B={B}, T={T}, H={H}): primitives, host time per call (median of 200)")
         for name, fn in (("empty Python call", lambda: None),
@@ -119,8 +125,8 @@ def main(funcs=False):
                          ("torch.cuda.current_device()", torch.cuda.current_device),
                          ("torch.cuda.get_device_capability(dev)", lambda: torch.cuda.get_device_capability(dev)),
                          ("torch.cuda.is_available()", torch.cuda.is_available),
-                         ("with torch.cuda.device(dev): pass", lambda: torch.cuda.device(dev).__enter__() or None),
-                         ("x.to(torch.int32).contiguous() (no-op)", lambda: x.int().to(torch.int32).contiguous())):
+                         ("with torch.cuda.device(dev): pass", lambda: _enter_exit(dev)),
+                         ("x.to(torch.int32).contiguous() (no-op)", lambda: xi.to(torch.int32).contiguous())):
             print(f"  {name:34s} {us(primitive(fn, busy))}")
         for mode, kw in (("top-k 20 %", dict(topk_ratio=0.2, tail=False)), ("tau 1 + tail", dict(tau=1.0, tail=True))):
             with torch.no_grad():
