@@ -275,3 +275,35 @@ def test_compile_dynamic_shapes_and_floats(call):
             assert rel_l2(compiled(q, k, v), fn(q, k, v)) < 1e-6
     with pytest.raises(ValueError, match="tau"):
         solattn.sol_attn(q, k, v, tau=float("nan"))
+
+
+@pytest.mark.parametrize("wrt", ["q", "k", "v"])
+@pytest.mark.parametrize("case", ["tail", "gate", "key_bias", "block_len"])
+def test_vectorized_jacobian_equals_vector_jacobian_products(case, wrt):
+    """torch.autograd.functional.jacobian(vectorize=True), which vmaps the backward over the
+    output's cotangents, through the portable backend: contracted with a cotangent, the Jacobian
+    equals that cotangent's vector-Jacobian product. Query and value are laid out as (B, H, T, D)
+    tensors transposed (a viewed layout) and the key as a slice of a packed qkv tensor (a copied
+    one). The backward used to fail here on ``as_strided``, which has no batching rule."""
+    T, H, D = 200, 2, 8        # (at 130 tokens, D = 8, the backward did not reach as_strided)
+    q, k, v = make_qkv(1, T, H, D, seed=31)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    k = torch.stack([k, k], dim=3)[:, :, :, 0]
+    kw = {"tail": dict(tau=0.5),
+          "gate": dict(tau=0.5, coarse_gate=torch.rand(q.shape, generator=torch.Generator().manual_seed(1))),
+          "key_bias": dict(topk_ratio=0.4, key_bias=torch.randn(T, generator=torch.Generator().manual_seed(2))),
+          "block_len": dict(topk_ratio=0.4, block_len=torch.tensor([64, 30, 64, 2], dtype=torch.int32))}[case]
+    inputs = dict(q=q, k=k, v=v)
+
+    def f(x):
+        return solattn.sol_attn(**dict(inputs, **{wrt: x}), backend="sdpa", **kw)
+
+    x = inputs[wrt]
+    J = torch.autograd.functional.jacobian(f, x, vectorize=True)          # out.shape + x.shape
+    cot = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    xl = x.detach().requires_grad_(True)
+    want, = torch.autograd.grad(f(xl), xl, cot)
+    got = torch.tensordot(cot, J, dims=4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert want.abs().sum() > 0

@@ -58,9 +58,15 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     grad = p.requires_grad or (torch.is_grad_enabled() and p.key_bias is not None
                                and p.key_bias.requires_grad)
     slot_bias = masks.key_slot_bias(p, plan)
-    out = new_output((B, T, H, D), dt, dev)
+    # rows are written into the flat base, not through a view of it: under autograd an in-place
+    # write through a view records CopySlices, whose backward calls as_strided, which has no
+    # batching rule when the gradients are vmapped (jacobian(vectorize=True), torch.func.jacrev)
+    # (and the (B, T, H, D) view is taken after the writes: one taken before them would be
+    # replayed through as_strided too)
+    flat = new_output((B * T * H, D), dt, dev)
     mdt = masks.mask_dtype(dev, dt)
-    call = _Call(p=p, plan=plan, q=RowTable(p.q), k=RowTable(p.k), v=RowTable(p.v), out=RowTable(out),
+    call = _Call(p=p, plan=plan, q=RowTable(p.q), k=RowTable(p.k), v=RowTable(p.v),
+                 out=RowTable(flat.view(B, T, H, D)),
                  indices=plan.kv_indices.reshape(B * H * n, -1).long(),
                  slot_bias=None if slot_bias is None else slot_bias.flatten(0, 1),
                  slot_entries=(None if slot_bias is None or _all_keys_can_die(p)
@@ -108,9 +114,10 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
             for s0 in range(cuts[e], cuts[e + 1], span):
                 sl = _prepare(call, g, g.rows[s0:min(s0 + span, cuts[e + 1])], shape, kv)
                 for chunk in sl.split(step):
-                    out = _attend_rows(call, g, chunk, shape, out, kv)
+                    _attend_rows(call, g, chunk, shape, flat, kv)
                 del sl
         del kv
+    out = flat.view(B, T, H, D)
     if plan.coarse is not None and p.coarse_gate is not None:
         out = _add_coarse(out, p.coarse_gate, plan.coarse, nbytes)
     return out
@@ -168,9 +175,9 @@ def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv) -> _S
                   out_rows=out_rows, q_dead=q_dead, kv_idx=kv_idx, tail=tail)
 
 
-def _attend_rows(call: _Call, g: Group, sl: _Slice, s: ChunkShape, out: torch.Tensor, kv=None) -> torch.Tensor:
+def _attend_rows(call: _Call, g: Group, sl: _Slice, s: ChunkShape, flat: torch.Tensor, kv=None):
     """One SDPA call for the rows of chunk ``sl`` (see :meth:`_Slice.split`) of group ``g``; writes
-    their output rows.
+    their output rows into ``flat``, the output as ``(B T H, D)`` rows.
     ``kv``: the key and value :class:`BlockTable` holding these rows' pairs, or None (gather rows).
 
     With autograd recording, the chunk is a checkpoint: autograd keeps none of its gathered keys
@@ -181,8 +188,7 @@ def _attend_rows(call: _Call, g: Group, sl: _Slice, s: ChunkShape, out: torch.Te
     else:
         o = checkpoint(_chunk_output, call, g, sl, s, kv, use_reentrant=False,
                        preserve_rng_state=False)                # nothing random inside
-    out.view(-1, call.p.D).index_copy_(0, sl.out_rows.reshape(-1), o.reshape(-1, call.p.D))
-    return out
+    flat.index_copy_(0, sl.out_rows.reshape(-1), o.reshape(-1, call.p.D))
 
 
 def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch.Tensor:
@@ -310,13 +316,21 @@ def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRow
     p, mdt = call.p, call.mdt
     nr = q.shape[0]
     E = k.shape[1] - TAIL_ROWS                                               # exact key slots
-    if k.requires_grad or v.requires_grad:       # keep the gathered tensors out of in-place ops
-        k, v = k.clone(), v.clone()
-    if not zeroed:
-        k[:, E:] = 0
-        v[:, E:] = 0
-    k[:, E] = t.m_key
-    v[:, E] = t.value
+    grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, base, t.m_key, t.value, t.lse))
+    if grad:
+        # out of place: in-place writes into slices record CopySlices, whose backward calls
+        # as_strided, which has no batching rule when the gradients are vmapped (jacobian(
+        # vectorize=True), torch.func.jacrev); the gathered tensors stay untouched too
+        pad = k.new_zeros(nr, TAIL_ROWS - 1, k.shape[2])
+        k = torch.cat([k[:, :E], t.m_key[:, None].to(k.dtype), pad], dim=1)
+        v = torch.cat([v[:, :E], t.value[:, None].to(v.dtype), pad.to(v.dtype)], dim=1)
+    else:
+        if not zeroed:
+            k[:, E:] = 0
+            v[:, E:] = 0
+        k[:, E] = t.m_key
+        v[:, E] = t.value
     if t.entry is None:                          # one tail entry per query row
         residual = (t.m - t.m_key.to(torch.float32))[:, :, None]
         tail_logit = t.lse[:, None] + p.scale * torch.bmm(q.to(torch.float32), residual)[..., 0]  # (nr, Lq)
@@ -325,30 +339,44 @@ def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRow
         tail_logit = t.lse[:, None]              # -inf exactly where the block's entry is
         tail_entry = t.entry[:, None]
     mask_rows = tail_entry.shape[1]
-    mask = call.work.empty("mask", (nr, mask_rows, E + TAIL_ROWS), mdt, q.device)
     dead = None
     if base is None:                             # every exact entry is -round(tail_lse)
-        mask[:, :, :E] = t.exact_entry[:, None, None]
+        exact = t.exact_entry[:, None, None]
     elif not _all_keys_can_die(p):               # base: call.slot_entries' 0 (live) / -inf (dead)
         # in the mask dtype; the live entries are -round(tail_lse), as above
         # (an add, then a copy into the view: plain ops every device runs, rather than out= into a
         # strided view, which MPS and XPU were not tested with here)
-        mask[:, :, :E] = base[:, None, :] + t.exact_entry[:, None, None]
+        exact = base[:, None, :] + t.exact_entry[:, None, None]
     else:                                        # key_bias: some row may lose every exact key
-        mask[:, :, :E] = masks.finish_mask(base, mdt, row_shift=t.lse)[:, None, :]
+        exact = masks.finish_mask(base, mdt, row_shift=t.lse)[:, None, :]
         dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)  # (nr, mask_rows)
+    if grad:                                     # out of place, as k and v above
+        exact = exact.to(mdt).expand(nr, mask_rows, E)
+        mask = torch.cat([exact, tail_entry.to(mdt)[..., None],
+                          exact.new_full((nr, mask_rows, TAIL_ROWS - 1), -math.inf)], dim=2)
+        return k, v, mask[:, None], dead
+    mask = call.work.empty("mask", (nr, mask_rows, E + TAIL_ROWS), mdt, q.device)
+    mask[:, :, :E] = exact
     mask[:, :, E] = tail_entry
     mask[:, :, E + 1:] = -math.inf
     return k, v, mask[:, None], dead
 
 
 def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """``out += (gate * coarse_of_block).to(dtype)`` in place, token chunk by token chunk (bounded memory)."""
+    """``out + (gate * coarse_of_block).to(dtype)``, token chunk by token chunk (bounded memory): in
+    place in inference; with autograd recording, out of place (the chunks concatenated), since an
+    in-place add into a slice records CopySlices (see ``sdpa_forward``)."""
     B, T, H, D = out.shape
     step = max(BLOCK, (nbytes // max(1, B * H * D * 12)) // BLOCK * BLOCK)
+    grad = torch.is_grad_enabled() and (out.requires_grad or gate.requires_grad or coarse.requires_grad)
+    parts = []
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         blocks = torch.arange(t0, t1, device=out.device) // BLOCK
         cb = coarse[:, :, blocks].permute(0, 2, 1, 3)                 # (B, t1-t0, H, D) fp32
-        out[:, t0:t1] += (gate[:, t0:t1].to(torch.float32) * cb).to(out.dtype)
-    return out
+        add = (gate[:, t0:t1].to(torch.float32) * cb).to(out.dtype)
+        if grad:
+            parts.append(out[:, t0:t1] + add)
+        else:
+            out[:, t0:t1] += add
+    return torch.cat(parts, dim=1) if grad else out

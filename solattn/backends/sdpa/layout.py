@@ -45,11 +45,14 @@ class RowTable:
 
     def __init__(self, x: torch.Tensor):
         B, T, H, D = x.shape
-        strides = [s if size > 1 else 0 for s, size in zip(x.stride()[:3], (B, T, H))]
-        g = math.gcd(*strides) or 1
-        self.row_strides = tuple(s // g for s in strides)        # rows per step in b, t, h
-        rows = sum((size - 1) * s for size, s in zip((B, T, H), self.row_strides)) + 1
-        self.rows = x.as_strided((rows, D), (g, x.stride(3)))
+        if x.requires_grad:
+            self.rows, self.row_strides = _row_view(x)
+        else:
+            strides = [s if size > 1 else 0 for s, size in zip(x.stride()[:3], (B, T, H))]
+            g = math.gcd(*strides) or 1
+            self.row_strides = tuple(s // g for s in strides)        # rows per step in b, t, h
+            rows = sum((size - 1) * s for size, s in zip((B, T, H), self.row_strides)) + 1
+            self.rows = x.as_strided((rows, D), (g, x.stride(3)))
         self.D, self.T = D, T
         n = (T + BLOCK - 1) // BLOCK
         # row offset of every (block, slot); slots past T read token T - 1 (the caller masks them)
@@ -73,6 +76,26 @@ class RowTable:
             return self.rows.index_select(0, flat).view(*rows.shape, self.D)
         buf = work.empty(name, (flat.numel(), self.D), self.rows.dtype, self.rows.device)
         return torch.index_select(self.rows, 0, flat, out=buf).view(*rows.shape, self.D)
+
+
+def _row_view(x: torch.Tensor):
+    """``(rows, row_strides)`` of a ``(B, T, H, D)`` tensor through view operations only, for the
+    autograd path: ``as_strided``'s backward has no batching rule when the gradients are vmapped
+    (``torch.autograd.functional.jacobian(vectorize=True)``, ``torch.func.jacrev``), while
+    ``permute`` and ``view`` have. The b, t, h dims are put outermost-stride first, so a
+    contiguous tensor and a ``(B, H, T, D)`` one transposed to ``(B, T, H, D)`` are viewed, not
+    copied; strides that do not nest (a slice of a packed qkv tensor) are copied once."""
+    order = sorted(range(3), key=lambda i: -x.stride(i))
+    y = x.permute(*order, 3)
+    if not y.is_contiguous():
+        y = y.contiguous()
+    rows = y.view(-1, x.shape[3])
+    sizes = y.shape[:3]
+    step = (sizes[1] * sizes[2], sizes[2], 1)            # rows per step in y's first three dims
+    row_strides = [0, 0, 0]
+    for pos, dim in enumerate(order):
+        row_strides[dim] = step[pos]
+    return rows, tuple(row_strides)
 
 
 def zero_dead(x: torch.Tensor, dead: Optional[torch.Tensor]) -> torch.Tensor:
