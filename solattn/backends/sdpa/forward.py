@@ -119,7 +119,7 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
         del kv
     out = flat.view(B, T, H, D)
     if plan.coarse is not None and p.coarse_gate is not None:
-        out = _add_coarse(out, p.coarse_gate, plan.coarse, nbytes)
+        out = _add_coarse(out, p.coarse_gate, plan.coarse, nbytes, grad)
     return out
 
 
@@ -316,15 +316,14 @@ def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRow
     p, mdt = call.p, call.mdt
     nr = q.shape[0]
     E = k.shape[1] - TAIL_ROWS                                               # exact key slots
-    grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, base, t.m_key, t.value, t.lse))
+    grad = not call.work.enabled                 # this call records autograd (see sdpa_forward)
     if grad:
         # out of place: in-place writes into slices record CopySlices, whose backward calls
         # as_strided, which has no batching rule when the gradients are vmapped (jacobian(
         # vectorize=True), torch.func.jacrev); the gathered tensors stay untouched too
         pad = k.new_zeros(nr, TAIL_ROWS - 1, k.shape[2])
         k = torch.cat([k[:, :E], t.m_key[:, None].to(k.dtype), pad], dim=1)
-        v = torch.cat([v[:, :E], t.value[:, None].to(v.dtype), pad.to(v.dtype)], dim=1)
+        v = torch.cat([v[:, :E], t.value[:, None].to(v.dtype), pad], dim=1)      # (k, v: one dtype)
     else:
         if not zeroed:
             k[:, E:] = 0
@@ -362,13 +361,13 @@ def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRow
     return k, v, mask[:, None], dead
 
 
-def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nbytes: int) -> torch.Tensor:
+def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nbytes: int,
+                grad: bool) -> torch.Tensor:
     """``out + (gate * coarse_of_block).to(dtype)``, token chunk by token chunk (bounded memory): in
-    place in inference; with autograd recording, out of place (the chunks concatenated), since an
-    in-place add into a slice records CopySlices (see ``sdpa_forward``)."""
+    place in inference; with autograd recording (``grad``), out of place (the chunks concatenated),
+    since an in-place add into a slice records CopySlices (see ``sdpa_forward``)."""
     B, T, H, D = out.shape
     step = max(BLOCK, (nbytes // max(1, B * H * D * 12)) // BLOCK * BLOCK)
-    grad = torch.is_grad_enabled() and (out.requires_grad or gate.requires_grad or coarse.requires_grad)
     parts = []
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
