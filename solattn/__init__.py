@@ -10,8 +10,6 @@ dispatcher, the built-in backend classes) stay reachable from their modules, e.g
 ``solattn.routing.build_plan`` or ``solattn.backends.sdpa.SdpaBackend``.
 """
 
-import os as _os
-
 from . import dispatch as _dispatch
 from .backends.base import Backend
 from .backends.reference import ReferenceBackend as _ReferenceBackend
@@ -38,7 +36,3 @@ __version__ = "0.1.0"
 __all__ = ["sol_attn", "video_sparse_attn", "tile", "untile", "list_backends", "use_backend",
            "best_device", "BackendError", "memory_budget", "set_memory_budget", "register_backend",
            "Backend", "BLOCK", "cuda_graphs", "__version__"]
-
-if _os.environ.get("SOLATTN_COMFY_KITCHEN", "").strip():  # opt-in comfy-kitchen plug-in (docs/comfyui.md)
-    from .integrations.comfy_kitchen import install_from_env as _install_from_env
-    _install_from_env()

@@ -97,10 +97,13 @@ def test_import_solattn_does_not_import_comfy_kitchen():
     assert res.stdout.strip() == "[]"
 
 
-def test_env_variable_installs_at_import():
+def test_install_from_env_installs_what_the_variable_asks():
     code = ("import solattn, comfy_kitchen as ck\n"
             "from comfy_kitchen.registry import registry as r\n"
-            "print(solattn.integrations.comfy_kitchen.installed_devices(), r._priority[0],\n"
+            "from solattn.integrations import comfy_kitchen as p\n"
+            "assert not p.is_installed()  # import solattn installs nothing\n"
+            "p.install_from_env()\n"
+            "print(p.installed_devices(), r._priority[0],\n"
             "      sorted(r.get_constraints('solattn', 'sol_attn').default_devices))\n"
             "q = k = v = __import__('torch').randn(1, 128, 1, 128)\n"
             "print(r.get_capable_backend('sol_attn', dict(q=q, k=k, v=v, tau=1.0, topk_ratio=0.0, token_aug=0)))")
@@ -108,7 +111,7 @@ def test_env_variable_installs_at_import():
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[:2] == ["('cpu', 'xpu') solattn ['cpu', 'xpu']", "solattn"]
 
-    bad = run_python("import solattn", "cuda")
+    bad = run_python("from solattn.integrations import comfy_kitchen as p; p.install_from_env()", "cuda")
     assert bad.returncode != 0
     assert "SOLATTN_COMFY_KITCHEN" in bad.stderr and "'cuda'" in bad.stderr and "'xpu'" in bad.stderr
 
@@ -432,8 +435,8 @@ def test_comfyui_custom_node_logs_plugin_errors_and_keeps_the_node(caplog, monke
     assert len(errors) == 1 and "plug-in not installed" in errors[0] and message in errors[0]
 
 
-def test_comfyui_custom_node_registers_the_node_when_import_solattn_would_raise():
-    """A fresh process (solattn not imported yet) where the variable makes `import solattn` raise:
+def test_comfyui_custom_node_registers_the_node_when_the_variable_is_bad():
+    """A fresh process (solattn not imported yet) where the variable's value is not a device type:
     the folder still registers the node and logs the plug-in's error."""
     code = ("import importlib.util, logging, os, sys\n"
             "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(levelname)s %(message)s')\n"

@@ -21,8 +21,10 @@ backend in comfy-kitchen's order instead of failing. :func:`uninstall` puts the
 registry back exactly as it was.
 
 comfy-kitchen is imported only when :func:`install` runs; ``import solattn`` never
-needs it. Setting ``SOLATTN_COMFY_KITCHEN`` (``xpu``, ``xpu,cpu``, ``auto``...) makes
-``import solattn`` call :func:`install_from_env`.
+needs it and never installs the plug-in (comfy-kitchen has no plug-in discovery: its
+backends register when imported, so installing is an explicit call). :func:`install_from_env`
+installs it as ``SOLATTN_COMFY_KITCHEN`` (``xpu``, ``xpu,cpu``, ``auto``...) asks; the
+ComfyUI node folder calls it when ComfyUI starts.
 
 comfy-kitchen has no public way to unregister a backend, so :func:`uninstall` (and the
 snapshot :func:`install` takes) work on the registry's private tables; :func:`install`
@@ -51,7 +53,7 @@ BACKEND_NAME = "solattn"
 SOLATTN_BACKEND = "sdpa"
 #: device types the plug-in may be installed for
 ALLOWED_DEVICES = ("xpu", "cpu", "mps")
-#: environment variable read by ``import solattn`` (see :func:`install_from_env`)
+#: environment variable read by :func:`install_from_env`
 ENV_VAR = "SOLATTN_COMFY_KITCHEN"
 
 _DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -318,7 +320,7 @@ def available_devices(include_cpu: bool = True) -> Tuple[str, ...]:
 
 
 def install_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[str, ...]]:
-    """Install the plug-in as ``SOLATTN_COMFY_KITCHEN`` asks; ``import solattn`` calls this.
+    """Install the plug-in as ``SOLATTN_COMFY_KITCHEN`` asks (the ComfyUI node folder calls this).
 
     The value is a comma-separated list of device types (``xpu``, ``xpu,cpu``...) or
     ``auto`` (:func:`available_devices`); unset or empty does nothing and returns None.
