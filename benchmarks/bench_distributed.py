@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
+from solattn.distributed.exchange import exchange_in, heads_to_seq  # noqa: E402
 from solattn.bench.report import source_revision  # noqa: E402
 from solattn import dispatch  # noqa: E402
 from solattn.testing import block_structured_qkv, rel_l2  # noqa: E402
@@ -133,11 +134,11 @@ def run_length(T, args, dev, rank, world):
     row["dist_inputs"] = 3 * shards[0].numel() * shards[0].element_size() / 2**30
 
     # 3. the exchange alone, same tensors (and the H/P-head attention each rank runs)
-    heads = sd._exchange_in(list(shards), lens, rank, world, None)
-    row["a2a_in_ms"] = reduce_max(median_ms(lambda: sd._exchange_in(list(shards), lens, rank, world, None),
+    heads = exchange_in(list(shards), lens, rank, world, None)
+    row["a2a_in_ms"] = reduce_max(median_ms(lambda: exchange_in(list(shards), lens, rank, world, None),
                                             dev, args.reps, args.warmup, barrier=True), dev)
     local_out = solattn.sol_attn(*heads, **kw)
-    row["a2a_out_ms"] = reduce_max(median_ms(lambda: sd._heads_to_seq(local_out, lens, rank, world, None),
+    row["a2a_out_ms"] = reduce_max(median_ms(lambda: heads_to_seq(local_out, lens, rank, world, None),
                                              dev, args.reps, args.warmup, barrier=True), dev)
     row["attn_ms"] = reduce_max(median_ms(lambda: solattn.sol_attn(*heads, **kw), dev, args.reps,
                                           args.warmup, barrier=True), dev)

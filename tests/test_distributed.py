@@ -26,6 +26,7 @@ if __name__ == "__main__":  # worker: import this checkout's package
 
 import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
+from solattn.distributed.agree import check_local  # noqa: E402
 from solattn.testing import block_structured_qkv, rel_l2, tolerance  # noqa: E402
 
 WORLD = 2
@@ -61,7 +62,28 @@ CASES = {
     "err_shard_lens": dict(kind="sol", B=1, T=128, H=2, D=16, bad_shard_lens=[60, 68],
                            kwargs=dict(topk_ratio=0.25)),
     "err_vsa_grid": dict(kind="vsa", B=1, T=127, H=2, D=16, kwargs=dict(grid=(3, 6, 6), prefix_len=37, topk=2)),
+    # a float key_bias requiring grad: every rank must get the whole gradient
+    "grad_key_bias": dict(kind="sol", B=2, T=200, H=4, D=16, key_bias="float2d", grad=True,
+                          kwargs=dict(topk_ratio=0.3, tail=True)),
+    # one rank's arguments refused or different from its peers' ("rank1": what rank 1 passes instead)
+    "err_heads_one_rank": dict(kind="sol", B=1, T=128, H=2, D=16, rank1=dict(H=3), kwargs=dict(topk_ratio=0.25)),
+    "err_tau_nan_one_rank": dict(kind="sol", B=1, T=128, H=2, D=16, rank1=dict(kwargs=dict(tau=float("nan"))),
+                                 kwargs=dict(tau=1.0)),
+    "err_tau_nan": dict(kind="sol", B=1, T=128, H=2, D=16, kwargs=dict(tau=float("nan"))),
+    "err_topk_differs": dict(kind="sol", B=1, T=128, H=2, D=16, rank1=dict(kwargs=dict(topk_ratio=0.6)),
+                             kwargs=dict(topk_ratio=0.3)),
+    "err_key_bias_one_rank": dict(kind="sol", B=1, T=128, H=2, D=16, key_bias="float1d",
+                                  rank1=dict(key_bias="sharded"), kwargs=dict(topk_ratio=0.25)),
+    "err_key_bias_values": dict(kind="sol", B=1, T=128, H=2, D=16, key_bias="float1d",
+                                rank1=dict(key_bias="float1d_other"), kwargs=dict(topk_ratio=0.25)),
+    "err_prefix_differs": dict(kind="vsa", B=1, T=130, H=2, D=16,
+                               rank1=dict(kwargs=dict(grid=(3, 6, 5), prefix_len=[20, 20], topk=2)),
+                               kwargs=dict(grid=(3, 6, 5), prefix_len=40, topk=2)),
+    "err_shard_lens_disagree": dict(kind="sol", B=1, T=128, H=2, D=16, lens=[60, 68], pass_lens=True,
+                                    rank1=dict(shard_lens=[50, 68]), kwargs=dict(topk_ratio=0.25)),
 }
+ERROR_BOUND_S = 15   # every rank raises within this (the worker's process-group timeout is longer)
+PG_TIMEOUT_S = 45
 
 
 def case_lens(case):
@@ -80,6 +102,10 @@ def case_inputs(case, D=None):
     kb = None
     if case.get("key_bias") == "float1d":
         kb = torch.randn(T, generator=g)
+    elif case.get("key_bias") == "float1d_other":
+        kb = torch.randn(T, generator=g) + 1.0
+    elif case.get("key_bias") == "float2d":
+        kb = torch.randn(B, T, generator=g)
     elif case.get("key_bias") == "bool2d":
         kb = torch.rand(B, T, generator=g) > 0.2
         kb[:, :64] = True                        # every row keeps at least its own first block
@@ -102,24 +128,32 @@ def call(mod, case, q, k, v, gate, kb, block_len, **extra):
 # ---------------------------------------------------------------------------------- the workers
 
 def run_case(case, rank, counts):
+    import time
+
     import torch.distributed as dist
 
     D = case.get("D_rank1") if rank == 1 and case.get("D_rank1") else None
+    if rank == 1 and "rank1" in case:
+        case = dict(case, **case["rank1"])
     q, k, v, gate, kb, block_len, w = case_inputs(case, D)
+    if case.get("grad") and kb is not None and kb.dtype.is_floating_point:
+        kb.requires_grad_(True)
     lens = case_lens(case)
     sl = slice(sum(lens[:rank]), sum(lens[:rank + 1]))
     if case.get("key_bias") == "sharded":
         kb = torch.ones(q.shape[1], dtype=torch.bool)[sl]
     shards = [None if x is None else x[:, sl].clone().requires_grad_(bool(case.get("grad")))
               for x in (q, k, v, gate)]
-    extra = {"shard_lens": lens} if case.get("pass_lens") else {}
+    extra = {"shard_lens": case.get("shard_lens", lens)} if case.get("pass_lens") else {}
     if case.get("bad_shard_lens"):
         extra = {"shard_lens": case["bad_shard_lens"]}
     counts.clear()
     res = {}
+    t0 = time.perf_counter()
     try:
         out = call(sd, case, *shards, kb, block_len, **extra)
     except Exception as err:  # noqa: BLE001 - recorded for the test to inspect
+        res["elapsed"] = time.perf_counter() - t0
         res["error"] = (type(err).__name__, str(err))
         res["collectives"] = dict(counts)
         alive = torch.ones(1)
@@ -131,6 +165,8 @@ def run_case(case, rank, counts):
     if case.get("grad"):
         (out.float() * w[:, sl]).sum().backward()
         res["grads"] = [None if x is None else x.grad for x in shards]
+        if kb is not None and kb.requires_grad:
+            res["key_bias_grad"] = kb.grad
     return res
 
 
@@ -139,7 +175,7 @@ def worker(rank, init_file, outdir):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=PG_TIMEOUT_S))
     counts = {}
     for name in ("all_gather", "all_to_all_single"):       # count the collectives each call issues
         def counted(*a, _f=getattr(dist, name), _n=name, **kw):
@@ -184,14 +220,22 @@ def results():
                for name in CASES}
 
 
-def single(case):
+def single(case, gate_rows=None):
+    """The one-device output and gradients (q, k, v, gate, key_bias) of a case; ``gate_rows``:
+    keep only these rows of the gate (the others zeroed)."""
     q, k, v, gate, kb, block_len, w = case_inputs(case)
+    if gate_rows is not None:
+        kept = torch.zeros_like(gate)
+        kept[:, gate_rows] = gate[:, gate_rows]
+        gate = kept
+    if case.get("grad") and kb is not None and kb.dtype.is_floating_point:
+        kb.requires_grad_(True)
     leaves = [None if x is None else x.clone().requires_grad_(bool(case.get("grad"))) for x in (q, k, v, gate)]
     out = call(solattn, case, *leaves, kb, block_len)
     grads = None
     if case.get("grad"):
         (out.float() * w).sum().backward()
-        grads = [None if x is None else x.grad for x in leaves]
+        grads = [None if x is None else x.grad for x in leaves] + [None if kb is None else kb.grad]
     return out.detach(), grads
 
 
@@ -213,15 +257,20 @@ def test_matches_single_process(results, name):
     assert rel_l2(got, want) < tol
     # one all-to-all in per dtype among q, k, v, gate, one out; the shard table is gathered
     # unless given
+    # one all-gather (the argument agreement), one all-to-all in per dtype among q, k, v, gate,
+    # one out
     calls = per_rank[0]["collectives"]
     assert calls.get("all_to_all_single") == (3 if "gate_dtype" in case else 2)
-    assert calls.get("all_gather", 0) == (0 if case.get("pass_lens") else 1)
+    assert calls.get("all_gather", 0) == 1
     if case.get("grad"):
         for i, name_ in enumerate(("q", "k", "v", "gate")):
             if want_grads[i] is None:
                 continue
             got_g = torch.cat([res["grads"][i] for res in per_rank], dim=1)
             assert rel_l2(got_g, want_grads[i]) < 1e-5, name_
+        if want_grads[4] is not None and want_grads[4].dtype.is_floating_point:
+            for r, res in enumerate(per_rank):      # the whole key_bias gradient on every rank
+                assert rel_l2(res["key_bias_grad"], want_grads[4]) < 1e-5, f"key_bias grad, rank {r}"
 
 
 def test_shard_lengths():
@@ -233,44 +282,58 @@ def test_shard_lengths():
         sd.shard_lengths(5, 0)
 
 
-def test_heads_not_divisible_before_any_communication(results):
-    for res in results["err_heads"]:
-        kind, msg = res["error"]
-        assert kind == "ValueError"
-        assert "argument 'q'" in msg and "H=3" in msg and "divisible by the group size 2" in msg
-        assert res["collectives"] == {}           # nothing was sent
-        assert res["alive"] == 2.0                # and the ranks are still in step
+ERRORS = {   # case -> (exception type, pattern every rank's identical message matches)
+    "err_heads": ("ValueError", r"argument 'q'.*H=3.*divisible by the group size 2"),
+    "err_heads_one_rank": ("ValueError", r"argument 'q'.*H=3.*divisible by the group size 2.*"
+                                         r"refused on rank 1 of the group's 2"),
+    "err_shard_lens": ("ValueError", r"argument 'shard_lens' received \[60, 68\]; allowed: .*"
+                                     r"which is \[64, 64\]"),
+    "err_shard_lens_disagree": ("ValueError", r"argument 'shard_lens' differs across ranks "
+                                              r"\(rank 0: l\[60, 68\], rank 1: l\[50, 68\]\)"),
+    "err_mismatch": ("ValueError", r"argument 'q' received shards whose D differ across ranks "
+                                   r"\(rank 0: 16, rank 1: 8\)"),
+    "err_key_bias_sharded": ("ValueError", r"argument 'key_bias' received a tensor of shape \(\d+,\).*T=128"),
+    "err_key_bias_one_rank": ("ValueError", r"argument 'key_bias' differs across ranks \(rank 0: tensor\(128,\) "
+                                            r"float32 on q's device, rank 1: tensor\(64,\) bool"),
+    "err_key_bias_values": ("ValueError", r"argument 'key_bias' holds different values across ranks"),
+    "err_vsa_grid": ("ValueError", r"solattn.distributed.video_sparse_attn: argument 'q'.*T=127 tokens in shards"),
+    "err_tau_nan": ("ValueError", r"solattn.distributed.sol_attn: argument 'tau' received nan"),
+    "err_tau_nan_one_rank": ("ValueError", r"argument 'tau' differs across ranks \(rank 0: 1.0, rank 1: nan\)"),
+    "err_topk_differs": ("ValueError", r"argument 'topk_ratio' differs across ranks \(rank 0: 0.3, rank 1: 0.6\)"),
+    "err_prefix_differs": ("ValueError", r"argument 'prefix_len' differs across ranks \(rank 0: 40, "
+                                         r"rank 1: l\[20, 20\]\)"),
+}
 
 
-def test_shard_lens_that_do_not_match_the_shards(results):
-    for r, res in enumerate(results["err_shard_lens"]):
-        kind, msg = res["error"]
-        assert kind == "ValueError" and "argument 'shard_lens' received [60, 68]" in msg
-        assert f"entry {r} equals this rank's shard length T_r = 64" in msg
-        assert res["collectives"] == {} and res["alive"] == 2.0
+def test_every_error_case_is_checked():
+    assert sorted(ERRORS) == sorted(n for n in CASES if n.startswith("err_"))
 
 
-def test_mismatch_across_ranks_raises_the_same_error_everywhere(results):
-    errs = [res["error"] for res in results["err_mismatch"]]
-    assert errs[0] == errs[1]
-    kind, msg = errs[0]
-    assert kind == "ValueError" and "D differ across ranks" in msg and "rank 0: 16, rank 1: 8" in msg
-    assert all(res["collectives"] == {"all_gather": 1} for res in results["err_mismatch"])
-    assert all(res["alive"] == 2.0 for res in results["err_mismatch"])
-
-
-@pytest.mark.parametrize("name,pattern", [
-    ("err_key_bias_sharded", r"argument 'key_bias' received a tensor of shape \(\d+,\).*T=128"),
-    ("err_vsa_grid", r"solattn.distributed.video_sparse_attn: argument 'q'.*T=127 tokens in shards"),
-])
-def test_argument_errors_before_the_exchange(results, name, pattern):
-    errs = [res["error"] for res in results[name]]
+@pytest.mark.parametrize("name", sorted(ERRORS))
+def test_every_rank_raises_the_same_error_before_the_exchange(results, name):
+    """One rank's refused argument, or arguments that differ between ranks, raise the same
+    error on every rank, promptly, before q, k, v leave any rank; the ranks stay in step."""
+    kind, pattern = ERRORS[name]
+    errs = [res.get("error") for res in results[name]]
+    assert errs[0] is not None and errs[0] == errs[1], errs      # the same text on every rank
+    assert errs[0][0] == kind and re.search(pattern, errs[0][1]), errs[0]
     for res in results[name]:
-        kind, msg = res["error"]
-        assert kind == "ValueError" and re.search(pattern, msg), msg
-        assert "all_to_all_single" not in res["collectives"]      # q, k, v never left the rank
+        assert res["collectives"] == {"all_gather": 1}            # the agreement; nothing else sent
+        assert res["elapsed"] < ERROR_BOUND_S
         assert res["alive"] == 2.0
-    assert errs[0] == errs[1]                                      # the same text on every rank
+
+
+def test_vsa_gate_prefix_rows_are_used(results):
+    """The prefix rows of a q-shaped gate weigh the coarse branch on the prefix rows, on one
+    device and distributed alike."""
+    case = CASES["vsa_prefix_gate"]
+    prefix = case["kwargs"]["prefix_len"]
+    full, _ = single(case)
+    video_only, _ = single(case, gate_rows=slice(prefix, None))
+    assert torch.equal(full[:, prefix:], video_only[:, prefix:])
+    assert rel_l2(video_only[:, :prefix], full[:, :prefix]) > 0.05     # the prefix rows' gate counts
+    got = torch.cat([res["out"] for res in results["vsa_prefix_gate"]], dim=1)
+    assert rel_l2(got, full) < 1e-5 and rel_l2(got[:, :prefix], video_only[:, :prefix]) > 0.05
 
 
 def _torchrun(script, *args, timeout=180):
@@ -326,7 +389,7 @@ def test_gate_dtype_message_names_the_dtypes_allowed():
     q = torch.randn(1, 64, 2, 16)
     with pytest.raises(TypeError, match=r"'coarse_gate' received .*float64.*allowed: .*"
                                         r"torch\.bfloat16, torch\.float16 or torch\.float32"):
-        sd._check_local("sol_attn", q, q, q, q.double(), "coarse_gate", 1)
+        check_local("sol_attn", q, q, q, q.double(), "coarse_gate", 1)
 
 
 def test_destroy_and_exit_argument_error():
