@@ -32,6 +32,11 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=32)
     args = p.parse_args()
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:   # started plainly: torch's rendezvous would fail with a traceback
+        sys.exit(f"{os.path.basename(__file__)}: the torchrun environment is missing ({', '.join(missing)} "
+                 "unset); run me with torchrun --nproc-per-node N, e.g.\n"
+                 f"    torchrun --standalone --nproc-per-node 2 {sys.argv[0]} --device cpu")
 
     rank, world, dev = sd.init_from_env(args.device)   # nccl / xccl / gloo, this rank's device
     device = dev.type

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import platform
 import shutil
 import sys
@@ -37,7 +38,24 @@ def info(args) -> int:
             state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
             print(f"  {b['name']:<10} {state}")
             print(f"  {'':<10} {b['description']}")
+    print("\n" + _wrapped(_comfy_kitchen_plugin(), 2))
     return 0
+
+
+def _comfy_kitchen_plugin() -> str:
+    """One line on the comfy-kitchen plug-in: off, installed, or why ``SOLATTN_COMFY_KITCHEN``
+    could not install it (a missing or incompatible comfy-kitchen, a bad value): reported, never raised."""
+    from .integrations import comfy_kitchen as plugin
+    value = os.environ.get(plugin.ENV_VAR, "").strip()
+    if plugin.is_installed():
+        return f"comfy-kitchen plug-in: installed for {', '.join(plugin.installed_devices())}"
+    if not value:
+        return f"comfy-kitchen plug-in: off ({plugin.ENV_VAR} is unset; see docs/comfyui.md)"
+    try:
+        devices = plugin.install_from_env()
+    except (ImportError, ValueError, RuntimeError) as exc:
+        return f"comfy-kitchen plug-in: {plugin.ENV_VAR}={value!r} asks for it, but it is not installed: {exc}"
+    return f"comfy-kitchen plug-in: installed for {', '.join(devices) or 'no device'} ({plugin.ENV_VAR}={value!r})"
 
 
 def _check_problems(device):

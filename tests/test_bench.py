@@ -308,3 +308,26 @@ def test_plan_time_excludes_the_first_call(monkeypatch, tmp_path):
     (row,) = [r for r in _csv_rows(tmp_path / "bench.csv") if r["backend"] == "sdpa"]
     assert float(row["plan_ms"]) < 150, row["plan_ms"]
     assert len(calls) >= 2
+
+
+def test_default_out_is_per_user_never_the_working_directory(monkeypatch, tmp_path):
+    """Without ``--out`` results go under ``$SOLATTN_BENCH_DIR`` or ``~/solattn-bench``, one
+    folder per run named by device and time, whatever directory the command runs in."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SOLATTN_BENCH_DIR", str(tmp_path / "mine"))
+    cfg = bench.resolve(bench.build_parser().parse_args(["--quick", "--device", "cpu"]))
+    assert Path(cfg.out).parent == tmp_path / "mine" and Path(cfg.out).name.startswith("cpu-")
+    monkeypatch.delenv("SOLATTN_BENCH_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("USERPROFILE", str(tmp_path / "home"))
+    cfg = bench.resolve(bench.build_parser().parse_args(["--quick", "--device", "cpu"]))
+    assert Path(cfg.out).parent == tmp_path / "home" / "solattn-bench"
+
+
+def test_run_prints_where_results_went(tmp_path, capsys):
+    out = tmp_path / "where"
+    assert bench.main(["--quick", "--device", "cpu", "--no-plot", "--shapes", "1,128,1,16", "--ratios", "0.5",
+                       "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert f"results go to {out.resolve()}" in captured.err
+    assert str((out / "bench.md").resolve()) in captured.out and (out / "bench.md").stat().st_size > 0

@@ -103,3 +103,41 @@ def test_check_prints_failure_messages_whole(monkeypatch, capsys):
     assert cli.main(["check", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert f"RuntimeError: {reason}" in " ".join(out.split()) and "FAILED" in out
+
+
+def _hide_comfy_kitchen(monkeypatch):
+    for name in [n for n in sys.modules if n == "comfy_kitchen" or n.startswith("comfy_kitchen.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "comfy_kitchen", None)      # `import comfy_kitchen` raises ImportError
+
+
+@pytest.mark.parametrize("value,says", [
+    ("auto", "needs the comfy-kitchen package"),
+    ("gpu", "allowed: 'auto' or a comma-separated list of device types"),
+])
+def test_info_reports_a_comfy_kitchen_plugin_it_cannot_install(monkeypatch, capsys, value, says):
+    """``SOLATTN_COMFY_KITCHEN`` set without comfy-kitchen, or to a bad value: ``info`` says so in
+    one line and succeeds."""
+    from solattn.integrations import comfy_kitchen as plugin
+    assert not plugin.is_installed()
+    _hide_comfy_kitchen(monkeypatch)
+    monkeypatch.setenv("SOLATTN_COMFY_KITCHEN", value)
+    assert cli.main(["info"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"comfy-kitchen plug-in: SOLATTN_COMFY_KITCHEN={value!r} asks for it, but it is not installed" in out
+    assert says in out and not plugin.is_installed()
+
+
+def test_info_reports_the_plugin_off_or_installed(monkeypatch, capsys):
+    from solattn.integrations import comfy_kitchen as plugin
+    monkeypatch.delenv("SOLATTN_COMFY_KITCHEN", raising=False)
+    assert cli.main(["info"]) == 0
+    assert "comfy-kitchen plug-in: off (SOLATTN_COMFY_KITCHEN is unset" in capsys.readouterr().out
+    pytest.importorskip("comfy_kitchen")
+    monkeypatch.setenv("SOLATTN_COMFY_KITCHEN", "cpu")
+    try:
+        assert cli.main(["info"]) == 0
+        assert "comfy-kitchen plug-in: installed for cpu" in capsys.readouterr().out
+        assert plugin.installed_devices() == ("cpu",)
+    finally:
+        plugin.uninstall()

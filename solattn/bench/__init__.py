@@ -43,7 +43,8 @@ per 64-token block and (b, h)), fixed seed. Block-level logits then spread with 
 of about 4 whatever D is, so attention concentrates on few key blocks as in the video models the
 operator serves, routing is meaningful, and a 10-20 % selection keeps most of the attention mass.
 
-Outputs in ``--out``: ``bench.csv``, ``bench.md`` (environment, models, table) and ``bench.png``
+Outputs in ``--out`` (default: ``$SOLATTN_BENCH_DIR/<device>-<date>-<time>``, else
+``~/solattn-bench/<device>-<date>-<time>``; the folder is printed): ``bench.csv``, ``bench.md`` (environment, models, table) and ``bench.png``
 (time against T, log-log, one line per backend / ratio / tail; skipped without matplotlib).
 
 Modules: :mod:`~solattn.bench.parsing` (options, presets, :class:`Config`),
@@ -86,6 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         + ("off+on" if len(cfg.tails) > 1 else "off") + ", backends "
         + ", ".join(([DENSE] if cfg.with_dense else []) + cfg.backends)
         + f", reference budget {reference_module.budget.bytes / 2**30:.1f} GiB")
+    log(f"results go to {os.path.abspath(cfg.out)}")
     if not cfg.with_dense and not cfg.backends:
         log("nothing to time")
         return 2
@@ -104,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\n".join(legend_lines(shutil.get_terminal_size((100, 24)).columns)))
     for s in cfg.skipped_lines():
         print(f"not run: {s}")
-    print(f"\nwrote {csv_path}, {md_path}" + ("" if note else f", {png_path}"))
+    print(f"\nwrote {os.path.abspath(csv_path)}, {os.path.abspath(md_path)}" + ("" if note else f", {os.path.abspath(png_path)}"))
     return 0 if rows else 1
 
 

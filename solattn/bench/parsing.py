@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "(default 3 on a CPU, 20 elsewhere, 2 with --quick)")
     p.add_argument("--warmup", type=int, help="untimed calls first, >= 1; the last measures memory "
                                                "and gives the output for the error (default 1 on a CPU, 3 elsewhere)")
-    p.add_argument("--out", help="output folder (default benchmarks/results/<device>-<date>-<time>)")
+    p.add_argument("--out", help="output folder (default: $SOLATTN_BENCH_DIR, else ~/solattn-bench, "
+                                 "in a subfolder <device>-<date>-<time>)")
     p.add_argument("--quick", action="store_true",
                    help="tiny problems (preset 'quick', 2 repeats): a few seconds on a CPU, for CI")
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
@@ -163,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "solattn.cuda_graphs() (CUDA only; rows named '<backend>+graphs': the call "
                         "replayed as a CUDA graph, output cloned)")
     return p
+
+
+def default_out(device: torch.device) -> str:
+    """Where results go without ``--out``: ``<base>/<device>-<date>-<time>``, ``<base>`` being
+    ``$SOLATTN_BENCH_DIR`` when set, else ``solattn-bench`` in the user's home folder (never the
+    current directory, which may be anyone's checkout or a read-only place)."""
+    base = os.environ.get("SOLATTN_BENCH_DIR", "").strip() or os.path.join(os.path.expanduser("~"), "solattn-bench")
+    return os.path.join(base, f"{device.type}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
 
 
 @dataclass
@@ -232,8 +241,7 @@ def resolve(args: argparse.Namespace) -> Config:
             raise UsageError(f"{option} received {value}; allowed: an integer >= 1")
     if args.graphs and device.type != "cuda":
         raise UsageError(f"--graphs received on device {device}; allowed: a CUDA device (CUDA graphs)")
-    out = args.out or os.path.join(
-        "benchmarks", "results", f"{device.type}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    out = args.out or default_out(device)
     return Config(device=device, dtype=dtype, shapes=shapes, ratios=ratios,
                   tails=[False, True] if args.tail else [False], coarse=args.coarse_gate,
                   backends=order, with_dense=with_dense, repeats=repeats, warmup=warmup, out=out,
