@@ -412,7 +412,7 @@ def test_kth_kernel_finds_the_kth_largest_key(kind, n):
     """kth_kernel against the definition on hand-made score rows: theta = the order key of the kk-th
     largest non-sink score, or a key between it and the next (count(key >= theta) == kk, the same
     set); n a power of two (one piece) and not (two), sinks excluded, rows of 1 and 2 per program."""
-    from solattn.backends.triton.kernel import compiled
+    from solattn.kernels.runtime import compiled
     from solattn.routing import fused_kernels as fk
     gen = torch.Generator().manual_seed(n)
     G, R = 2, 8                          # the first R rows of each batch * head: the interpreter is slow

@@ -18,9 +18,9 @@ sync:
    0.43 ms at H3 on an H200, as a separate kernel 0.13 ms. (With IEEE products the select kernel writes them instead.)
 4. (top-k) :func:`.fused_kernels.kth_kernel`, one single-warp program per query-block row and
    batch * head: the k-th largest score of the row (bisection over order-preserving int32 keys,
-   ties kept like ``cand >= theta``), stored for the next kernels. In its own kernel since session
-   19: at H3 on an H200 0.08 ms, where inside the select kernel's 4 warps the search (then
-   probing the keys' midpoint only) took 0.2 ms.
+   ties kept like ``cand >= theta``), stored for the next kernels. In a kernel of its own: at H3
+   on an H200 0.08 ms, where inside the select kernel's 4 warps the search (probing the keys'
+   midpoint only) took 0.2 ms.
 5. :func:`.fused_kernels.select_kernel`, one program per (tile of query-block rows, batch * head),
    reading the scratch: the threshold (tau, stored for the next kernel) or the k-th largest
    score's key, the forced blocks, ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and
@@ -36,37 +36,34 @@ more than k blocks, so no smaller width is safe). Only consumers that read ``kv_
 entries of each row and take the width from the tensor (the ``triton`` backend) ask for this
 plan; see :func:`fused_plan_usable` for when it applies.
 
-The kernels are ``JITFunction``\\ s launched through the ``triton`` backend's
-``compiled(interpret, kernel)``, so the same source runs under ``TRITON_INTERPRET=1`` on the CPU
-(tests). Triton is imported only when a fused plan is built.
+The kernels are ``JITFunction``\\ s launched through :func:`solattn.kernels.runtime.compiled`, so
+the same source runs under ``TRITON_INTERPRET=1`` on the CPU (tests). Triton is imported only
+when a fused plan is built.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
 from ..budget import current_budget
+from ..kernels import interpret_on, interpreting, triton_installed
 from ..validation import BLOCK, Problem
 from .plan import Plan
 from .select import topk_count
 
 #: rows of the (rows, n) score tile the top-k bisection keeps in registers at a time, times n:
 #: 4 of H3's 1024-wide (padded) rows took 0.29-0.30 ms in the select kernel on an H200 against
-#: 0.32-0.33 ms with 8 and 0.42 ms with 16 (three runs: results/h200/session14/{b1a67c1,fd08fec,
-#: 35a8db0}/select_cost.txt)
+#: 0.32-0.33 ms with 8 and 0.42 ms with 16 (three runs, commits b1a67c1, fd08fec, 35a8db0)
 _SELECT_TILE_ELEMS = 4096
 
 #: keys per thread of the top-k bisection in :func:`.fused_kernels.kth_kernel`, counted on rows
 #: padded to a power of two (the kernel holds no more: NA + NB lanes), in one warp while they fit,
 #: one row of H3's per program. At H3 on an
 #: H200 the kernel took 0.079-0.083 ms so, against 0.083-0.088 ms with 2 rows, 0.11-0.12 with 4
-#: (1 or 2 warps) and 0.10-0.11 ms with one row in 2 warps (results/h200/session19/134c0ec)
+#: (1 or 2 warps) and 0.10-0.11 ms with one row in 2 warps (commit 134c0ec)
 _KTH_KEYS_PER_THREAD = 32
 
 #: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums). None: "tf32x3" (three
@@ -90,18 +87,9 @@ def dot_precision(device: torch.device) -> str:
 #: largest n (key blocks) the fused plan takes (T = 524288 tokens); beyond it the torch plan
 #: chunks the work. The select kernel's bisection holds whole rows of n scores (padded to a power
 #: of two) in tiles of ``_SELECT_TILE_ELEMS`` scores, fewer rows as n grows, and at least one
-#: whole row: past 4096 blocks one row of up to 8192 scores (the tile size before session 14).
+#: whole row: past 4096 blocks one row of up to 8192 scores.
 #: Run on an H200 up to n = 583 (H3, 1024-wide rows).
 MAX_FUSED_BLOCKS = 8192
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def fused_plan_bytes(problem: Problem) -> int:
@@ -123,9 +111,9 @@ def fused_plan_usable(problem: Problem) -> bool:
     1.0 ms of mostly launch-bound work, and at H3 (B=1, T=37296, H=56) 0.72 ms (top-k) and
     0.87 ms (tau with the tail) against 2.5-3.1 ms (``benchmarks/diag/plan_h3_fused.py``)."""
     dev = problem.device.type
-    if not (dev == "cuda" or (dev == "cpu" and _interpreting())):
+    if not (dev == "cuda" or (dev == "cpu" and interpreting())):
         return False
-    if problem.requires_grad or not _triton_importable():
+    if problem.requires_grad or not triton_installed():
         return False
     D = problem.D
     if D < 16 or D > 256 or D & (D - 1):
@@ -201,13 +189,13 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     per program), ``pool_bj`` (key blocks per chunk), ``pool_warps``, ``pool_stages`` and
     ``pool_dot`` (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32")."""
     tuning = tuning or {}
-    from ..backends.triton.kernel import compiled  # imports Triton
+    from ..kernels.runtime import compiled  # imports Triton
     from . import fused_kernels as fk
 
     q, k, v = problem.q, problem.k, problem.v
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
     G, dev, f32, i32 = B * H, q.device, torch.float32, torch.int32
-    interpret = _interpreting() or dev.type == "cpu"
+    interpret = interpret_on(dev)
     if interpret and q.dtype == torch.bfloat16:
         # the interpreter keeps bf16 as raw bit patterns; exact fp32 copies give the same sums
         q, k, v = (t.to(f32) for t in (q, k, v))
@@ -264,7 +252,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     # (0.13 ms at H3, against 0.34 ms with 32 x 32 tiles, 0.22 ms with 8 warps, 0.21-0.25 ms with
     # key tiles looped over in one program, 045cf55), over 32 head dims per step (0.120 against
     # 0.130-0.131 ms in one step of 128; 16 or 64 per step, 2-4 stages, 128 x 128 tiles: no
-    # better, results/h200/session19/04dc0ec). With IEEE products (FMA, no tensor cores:
+    # better, commit 04dc0ec). With IEEE products (FMA, no tensor cores:
     # ROCm, or DOT_PRECISION = "ieee") that GEMM took 5.3 ms at H3 against 2.3-2.5 ms for the
     # select kernel computing the scores itself in 32-row tiles, so there the select kernel
     # writes them (SCORES_HERE).
@@ -293,7 +281,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
     if tail or coarse:
         # 16 query-block rows per program, 16 key blocks per chunk, 4 warps: at H3 in tau mode
-        # with the tail (H200, results/h200/session15/) 0.23 ms, against 0.32-0.33 ms with 32 or
+        # with the tail (H200) 0.23 ms, against 0.32-0.33 ms with 32 or
         # 64 blocks per chunk, 0.29-0.31 ms with 2 or 8 warps or 2 stages, 0.36-0.46 ms with 32
         # rows and 0.63-0.84 ms with 64 or 128 (tf32x3 products spill at 4 warps, 8 warps hold
         # one program per SM); the select kernel then takes 0.10 ms, where with the pooled

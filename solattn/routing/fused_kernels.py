@@ -1,20 +1,15 @@
 """Triton kernels of the fused routing plan (see :mod:`solattn.routing.fused`); importing this
 module imports Triton.
 
-Every kernel is a compiled ``JITFunction`` whatever ``TRITON_INTERPRET`` said at import; the
-``triton`` backend's ``compiled(interpret, kernel)`` runs it on the GPU or in the interpreter.
+Every kernel is a compiled ``JITFunction`` (:func:`solattn.kernels.runtime.gpu_jit`), launched on
+the GPU or in Triton's CPU interpreter through :func:`solattn.kernels.runtime.compiled`.
 """
 
 from __future__ import annotations
 
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-
-def gpu_jit(fn):
-    # not triton.jit: that returns an interpreted function when TRITON_INTERPRET=1 happens to be
-    # set at import time, and the process would then never compile for the GPU
-    return JITFunction(fn)
+from ..kernels.runtime import gpu_jit
 
 
 @gpu_jit
@@ -57,7 +52,7 @@ def centroid_kernel(Km, Mout, Var, n,
     """The key centroid ``m`` (and, tau mode, the variance of the key means about it) of one batch *
     head over BD of its dims: HEAD_DIM / BD programs per batch * head, each walking all n blocks in
     chunks of BJ. One program per batch * head (BD = HEAD_DIM) left most of an H200 idle at H3:
-    0.057 ms against 0.017 ms with BD = 32 (results/h200/session14)."""
+    0.057 ms against 0.017 ms with BD = 32."""
     g = tl.program_id(0).to(tl.int64)
     dims = tl.program_id(1) * BD + tl.arange(0, BD)
     cols = tl.arange(0, BJ)

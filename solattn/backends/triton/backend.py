@@ -6,7 +6,6 @@ first forward call, and a missing Triton is reported as a reason instead.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -15,6 +14,8 @@ from typing import List, Optional
 import torch
 
 from ... import graphs
+from ...kernels import interpret_on, interpreting
+from ...kernels import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend
 
@@ -84,14 +85,6 @@ TMA_MIN_PROGRAMS = 4096
 TMA_IN_GRAPHS = True
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def _install_hint(device_type: str, platform: str) -> str:
     """What would get Triton onto this machine: the official wheels are Linux-only, and on
     Intel GPUs Triton comes with PyTorch's XPU builds."""
@@ -156,7 +149,7 @@ def kernel_operands(problem: Problem, plan) -> KernelOperands:
         key_bias, bias_stride_b = key_mean, 0
     q, k, v = problem.q, problem.k, problem.v
     gate = problem.coarse_gate if has_coarse else q
-    interpret = _interpreting() or q.device.type == "cpu"
+    interpret = interpret_on(q.device)
     if interpret and q.dtype == torch.bfloat16:
         q, k, v = (t.to(f32) for t in (q, k, v))
         gate = gate.to(f32)
@@ -211,7 +204,8 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
     ``problem`` and ``plan``. :func:`launch` runs the production kernel through it; benchmark
     experiments (``benchmarks/kernel_variants.py``) run their variants through it too, with the
     variant's own extra ``constexprs`` (name -> value) appended to the launch."""
-    from . import kernel  # imports triton
+    from ...kernels.runtime import compiled  # imports triton
+    from . import kernel
 
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
     v = problem.v
@@ -232,7 +226,7 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
         k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D])
                         for t in (ops.k, ops.v))
     grid = (n, B * H)
-    kernel.compiled(ops.interpret, jit_kernel)[grid](
+    compiled(ops.interpret, jit_kernel)[grid](
         q, k_arg, v_arg, out, ops.gate,
         ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
         ops.key_bias, ops.key_mean if lse is None else lse, out if resid is None else resid,
@@ -283,7 +277,7 @@ class TritonBackend(Backend):
 
     def device_reasons(self, device: torch.device) -> List[str]:
         # conditions that installing Triton cannot fix come first, so the advice fits the machine
-        if device.type == "cpu" and not _interpreting():
+        if device.type == "cpu" and not interpreting():
             return ["runs on CUDA GPUs (sm_80+); on the CPU only under TRITON_INTERPRET=1, for tests "
                     "(use the sdpa backend on the CPU)"]
         if device.type == "xpu" and os.environ.get(XPU_OPT_IN, "0") != "1":

@@ -36,8 +36,9 @@ from typing import Optional, Tuple
 import torch
 import triton.language as tl
 
+from ...kernels.runtime import compiled, gpu_jit
 from ...validation import BLOCK, Problem
-from .kernel import LOG2E, block_logits, compiled, gpu_jit, key_block, query_block
+from .kernel import LOG2E, block_logits, key_block, query_block
 
 
 def lse_shape(B: int, T: int, H: int) -> Tuple[int, int, int]:

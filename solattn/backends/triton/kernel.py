@@ -19,29 +19,23 @@ Two identities keep the inner loop as short as dense flash attention's:
   accumulator = its value. An empty tail (``tail_lse = -inf``) starts from nothing.
 
 The kernel is built from small ``@jit`` pieces (the program's prologue: query block and
-starting state; one key block's logits, the online-softmax update, the epilogue) so that benchmark
-experiments can assemble variants of the loop from the same pieces.
+starting state; one key block's logits, the online-softmax update, the epilogue); the backward
+kernels (``backward.py``) read their query and key blocks and recompute logits with the same pieces.
 
-Every function here is a compiled ``JITFunction`` whatever ``TRITON_INTERPRET`` said
-when this module was imported; :func:`compiled` hands out either the GPU kernel or an
-interpreted one, chosen per call, so the same source runs in CI without a GPU.
+Every function here is a compiled ``JITFunction`` (:func:`solattn.kernels.runtime.gpu_jit`),
+launched on the GPU or in Triton's CPU interpreter through
+:func:`solattn.kernels.runtime.compiled`.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import triton.language as tl
-from triton.runtime.jit import JITFunction
+
+from ...kernels.runtime import gpu_jit
 
 LOG2E = math.log2(math.e)
-
-
-def gpu_jit(fn):
-    # not triton.jit: that returns an interpreted function when TRITON_INTERPRET=1 happens to
-    # be set at import time, and the process would then never compile for the GPU
-    return JITFunction(fn)
 
 
 @gpu_jit
@@ -266,87 +260,3 @@ def sol_attn_fwd(
         # Layout (B * H, n * BLOCK): row plan_row * BLOCK + r, dead and past-T rows included.
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         tl.store(Lse + plan_row * BLOCK + rows, lse)
-
-
-# ----------------------------------------------------------------------------- interpreter
-
-@contextmanager
-def _jit_calls_interpreted(kernel: JITFunction):
-    """While the interpreter runs ``kernel``, let it call ``@jit`` functions.
-
-    The interpreter can call a ``@jit`` function (``tl.sum``, ``tl.max``, the pieces above)
-    only if it was created while ``TRITON_INTERPRET=1`` was set; this module and Triton are
-    usually imported before that (tests set it per test). So for the duration of the run,
-    every ``JITFunction`` the kernel can reach through ``triton.language`` or through the
-    globals of non-Triton modules is swapped for an interpreted twin, the way the
-    interpreter itself patches ``tl`` for a run; everything is put back afterwards.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-
-    changes = []
-
-    def swap(namespace):
-        for name, value in list(namespace.items()):
-            if isinstance(value, JITFunction):
-                changes.append((namespace, name, value))
-                namespace[name] = InterpretedFunction(value.fn)
-                if not value.fn.__module__.startswith("triton"):
-                    reach(value.fn.__globals__)
-
-    seen = set()
-
-    def reach(namespace):
-        if id(namespace) not in seen:
-            seen.add(id(namespace))
-            swap(namespace)
-
-    try:
-        reach(vars(tl))
-        reach(kernel.fn.__globals__)
-        yield
-    finally:
-        for namespace, name, value in reversed(changes):
-            namespace[name] = value
-
-
-class _Interpreted:
-    """``kernel[grid](...)`` run by Triton's CPU interpreter (see :func:`_jit_calls_interpreted`)."""
-
-    def __init__(self, kernel: JITFunction):
-        from triton.runtime.interpreter import InterpretedFunction
-        self.kernel = kernel
-        self.interpreted = InterpretedFunction(kernel.fn)
-
-    def __getitem__(self, grid):
-        def run(*args, **kwargs):
-            with _jit_calls_interpreted(self.kernel):
-                return self.interpreted[grid](*args, **kwargs)
-        return run
-
-
-class _OnGpu:
-    """``kernel[grid](...)`` compiled for the GPU with floating-point contraction on, whatever
-    Triton's default: every kernel here was built and measured with ``a * b + c`` as one fused
-    multiply-add (the softmax's scale and shift are one FMA per logit, ``softmax_update``), which
-    Triton up to 3.9 did by default and 3.10 no longer does (3.9 warns on every first launch that
-    leaves it unset)."""
-
-    def __init__(self, kernel: JITFunction):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            return launch(*args, enable_fp_fusion=True, **kwargs)
-        return run
-
-
-def compiled(interpret: bool, kernel: JITFunction = sol_attn_fwd):
-    """``kernel`` (default: the production kernel) as a launchable Triton function: compiled for
-    the GPU (with fused multiply-adds, see :class:`_OnGpu`), or run by Triton's CPU interpreter.
-
-    Chosen per call rather than at import so that ``TRITON_INTERPRET`` can be set after solattn
-    is imported (tests do).
-    """
-    return _Interpreted(kernel) if interpret else _OnGpu(kernel)

@@ -1,0 +1,33 @@
+"""The Triton runtime shared by the fused routing plan (``solattn.routing.fused``) and the
+``triton`` backend: the layer below both, so that neither imports from the other.
+
+Importing this package never imports Triton; :mod:`.runtime` does (``gpu_jit``, ``compiled``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` is set now (read per call: tests set it after import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpret_on(device: torch.device) -> bool:
+    """Whether kernels for tensors on ``device`` run in Triton's CPU interpreter rather than
+    compiled for the GPU: under ``TRITON_INTERPRET=1``, and always for CPU tensors."""
+    return interpreting() or device.type == "cpu"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_installed() -> bool:
+    """Whether Triton can be imported (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+__all__ = ["interpret_on", "interpreting", "triton_installed"]
