@@ -147,7 +147,7 @@ class SparseAttention:
         self.patch_size = tuple(int(p) for p in patch_size)
         self.installed = set()   # override closures this object put on the hook
         self._logged = set()
-        self._sigma = None       # (sigmas tensor, its version, its first sigma): see first_sigma
+        self._sigma = None       # (sigmas tensor, its version or None, its first sigma): see first_sigma
 
     # -- bookkeeping ------------------------------------------------------------------------
     def reset(self):
@@ -157,17 +157,25 @@ class SparseAttention:
     def first_sigma(self, sigmas) -> float:
         """``sigmas``' first entry as a float. ComfyUI hands every attention call of one model step
         the same ``sigmas`` tensor, usually on the GPU, where reading it waits for the device: so it
-        is read once per tensor (and again after an in-place change), not once per attention
-        call, which would stop the host from queueing the next layers' work while the GPU runs.
-        The cache holds the tensor itself, so a new tensor never takes a freed one's identity."""
+        is read once per tensor, not once per attention call, which would stop the host from
+        queueing the next layers' work while the GPU runs. The cache holds the tensor itself, so a
+        new tensor never takes a freed one's identity, and it is dropped before every model step
+        (:meth:`new_step`, from ComfyUI's per-step ``ON_PREPARE_STATE`` callback). ComfyUI samples
+        under ``torch.inference_mode()``, whose tensors have no version counter; outside it the
+        version is part of the key too, so an in-place change is read again."""
         if not isinstance(sigmas, torch.Tensor):
             return float(sigmas[0])
+        version = None if sigmas.is_inference() else sigmas._version
         cached = self._sigma
-        if cached is not None and cached[0] is sigmas and cached[1] == sigmas._version:
+        if cached is not None and cached[0] is sigmas and cached[1] == version:
             return cached[2]
         value = float(sigmas.reshape(-1)[0])
-        self._sigma = (sigmas, sigmas._version, value)
+        self._sigma = (sigmas, version, value)
         return value
+
+    def new_step(self):
+        """Forget the step's sigma (called before every model step)."""
+        self._sigma = None
 
     def note(self, key, message: str):
         """Log ``message`` once per ``key`` until the next :meth:`reset` (one line per reason)."""
@@ -462,10 +470,13 @@ def apply(model, *, method: str, tau: float = 1.3, keep_percent: float = 10.0,
                         "without the coarse branch", DISPLAY_NAME)
     else:
         state.install_override(m.model_options["transformer_options"])
-        m.add_callback_with_key(
-            CallbacksMP.ON_PREPARE_STATE, CALLBACK_KEY,
-            lambda model_patcher, timestep, model_options, *a: state.install_override(
-                model_options["transformer_options"]))
+
+    def prepare_step(model_patcher, timestep, model_options, *args):
+        state.new_step()
+        if method != "vsa":
+            state.install_override(model_options["transformer_options"])
+
+    m.add_callback_with_key(CallbacksMP.ON_PREPARE_STATE, CALLBACK_KEY, prepare_step)
     m.solattn_sparse_attention = state    # for inspection and tests
     return m
 

@@ -1,0 +1,298 @@
+"""Run one prompt through a real ComfyUI tree with the solattn node, in this process.
+
+    python tests/comfyui_host.py CONFIG.json
+
+ComfyUI's state is global to a process, so each scenario runs in its own process (the tests in
+``tests/test_comfyui_host.py`` spawn this script). CONFIG names the ComfyUI tree, a temporary base
+directory and the model-patch nodes to chain between "Load Diffusion Model" and KSampler; the
+script writes a tiny random FastH3-shaped MiniMax-H3 checkpoint, loads the solattn node folder and
+``tests/comfyui_host_nodes`` through ComfyUI's own custom-node loader, validates and executes the
+prompt with ``execution.PromptExecutor`` (which runs it under ``torch.inference_mode()``), and
+writes a JSON result: success, error, log lines, the sampled latent's finiteness and, when asked,
+the relative error of every DiT attention call against a direct solattn call on the same q, k, v.
+"""
+
+import asyncio
+import json
+import logging
+import math
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+NODE_FOLDER = os.path.join(ROOT, "integrations", "comfyui", "solattn_sparse_attention")
+TEST_NODES = os.path.join(HERE, "comfyui_host_nodes")
+
+#: the tiny FastH3 shape: 3 blocks, hidden 256, 2 heads of 128, to_gate_compress present
+H3_SHAPE = dict(blocks=3, hidden=256, heads=2, head_dim=128, ffn=512, text_dim=64, refiner_blocks=1,
+                time_in=256, time_hidden=256, time_dim=128, rope_len=16, video_channels=24,
+                audio_channels=32, gate=True)
+
+
+def h3_state_dict(blocks, hidden, heads, head_dim, ffn, text_dim, refiner_blocks, time_in, time_hidden,
+                  time_dim, rope_len, video_channels, audio_channels, gate, seed=0):
+    """A random MiniMax-H3 state dict under the key names ComfyUI's model detection reads
+    (``video_patch_proj``, ``audio_patch_proj``, ``blocks.N.attn.qkv_proj`` / ``q_norm`` /
+    ``to_gate_compress``, ``final_layer.video_out`` ...). Weights are small so that activations stay
+    near unit scale; norms are ones; the rope frequencies are the usual geometric ladder."""
+    gen = torch.Generator().manual_seed(seed)
+    inner = heads * head_dim
+    patch = video_channels * 4                       # patch 1x2x2
+
+    def lin(out_f, in_f, bias=True, gain=1.0):
+        w = torch.randn(out_f, in_f, generator=gen) * (gain / math.sqrt(in_f))
+        return {"weight": w} if not bias else {"weight": w, "bias": torch.randn(out_f, generator=gen) * 0.02}
+
+    sd = {}
+
+    def put(prefix, tensors):
+        sd.update({f"{prefix}.{k}": v for k, v in tensors.items()})
+
+    def attention(prefix, with_gate):
+        put(f"{prefix}.qkv_proj", lin(3 * inner, hidden, bias=False))
+        put(f"{prefix}.out_proj", lin(hidden, inner, bias=False, gain=0.5))
+        sd[f"{prefix}.q_norm.weight"] = torch.ones(head_dim)
+        sd[f"{prefix}.k_norm.weight"] = torch.ones(head_dim)
+        if with_gate:
+            put(f"{prefix}.to_gate_compress", lin(inner, hidden, bias=False, gain=0.5))
+
+    def block(prefix, with_gate):
+        sd[f"{prefix}.norm1.weight"] = torch.ones(hidden)
+        sd[f"{prefix}.norm2.weight"] = torch.ones(hidden)
+        attention(f"{prefix}.attn", with_gate)
+        put(f"{prefix}.mlp.fc1", lin(2 * ffn, hidden, bias=False))
+        put(f"{prefix}.mlp.fc2", lin(hidden, ffn, bias=False, gain=0.5))
+
+    put("video_patch_proj", lin(hidden, patch))
+    put("audio_patch_proj", lin(hidden, audio_channels))
+    put("condition_proj", lin(hidden, text_dim))
+    put("time_embedder.proj_in", lin(time_hidden, time_in))
+    put("time_embedder.proj_out", lin(time_dim, time_hidden))
+    sd["rope.inv_freq"] = 1.0 / (10000.0 ** (torch.arange(rope_len, dtype=torch.float32) / rope_len))
+    for i in range(refiner_blocks):
+        block(f"token_refiner.blocks.{i}", False)
+    sd["token_refiner.final_norm.weight"] = torch.ones(hidden)
+    for i in range(blocks):
+        block(f"blocks.{i}", gate)
+        put(f"blocks.{i}.adaln_proj.linear", lin(6 * hidden * 3, time_dim, gain=0.1))
+    sd["final_layer.norm.weight"] = torch.ones(hidden)
+    put("final_layer.adaln_proj.linear", lin(2 * hidden, time_dim, gain=0.1))
+    put("final_layer.video_out", lin(patch, hidden))
+    put("final_layer.audio_out", lin(audio_channels, hidden))
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def write_checkpoint(path, seed=0, **shape):
+    from safetensors.torch import save_file
+    save_file(h3_state_dict(**{**H3_SHAPE, **shape}, seed=seed), path)
+
+
+class _Server:
+    """What PromptExecutor needs of ComfyUI's server: no client, events dropped."""
+    client_id = None
+    last_node_id = None
+    last_prompt_id = None
+    sockets_metadata = {}
+
+    def send_sync(self, event, data, sid=None):
+        pass
+
+    def queue_updated(self):
+        pass
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(f"{record.name}: {record.getMessage()}")
+
+
+def start_comfyui(comfyui, base):
+    """Import ComfyUI as its PROVENANCE describes: CPU, base directory ``base``, args parsed."""
+    for sub in ("models/diffusion_models", "custom_nodes", "input", "output", "temp", "user"):
+        os.makedirs(os.path.join(base, sub), exist_ok=True)
+    sys.argv = [sys.argv[0], "--cpu", "--base-directory", base]
+    sys.path.insert(0, comfyui)
+    if ROOT not in sys.path:
+        sys.path.insert(1, ROOT)
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    import folder_paths  # noqa: F401  (reads the base directory)
+    import nodes
+    import execution
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+    return nodes, execution
+
+
+def load_node_folders(nodes, base, folders):
+    """Symlink each folder into ``base/custom_nodes`` and load it with ComfyUI's own loader."""
+    for folder in folders:
+        link = os.path.join(base, "custom_nodes", os.path.basename(folder))
+        if not os.path.lexists(link):
+            os.symlink(folder, link, target_is_directory=True)
+        if not asyncio.run(nodes.load_custom_node(link)):
+            raise RuntimeError(f"ComfyUI could not load the custom node folder {folder}")
+
+
+def build_prompt(cfg, ckpt_name, latent_path):
+    """UNETLoader -> cfg['patches'] (in order) -> KSampler on an empty H3 AV latent -> save."""
+    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt_name, "weight_dtype": "default"}}}
+    model = ["1", 0]
+    for i, node in enumerate(cfg.get("patches", [])):
+        nid = str(10 + i)
+        prompt[nid] = {"class_type": node["class_type"], "inputs": {"model": model, **node["inputs"]}}
+        model = [nid, 0]
+    prompt["2"] = {"class_type": "SolAttnTestZeroConditioning",
+                   "inputs": {"tokens": cfg.get("text_tokens", 77), "dim": H3_SHAPE["text_dim"]}}
+    prompt["3"] = {"class_type": "EmptyMiniMaxH3LatentAV",
+                   "inputs": {"width": cfg.get("width", 512), "height": cfg.get("height", 256),
+                              "length": cfg.get("length", 22)}}
+    prompt["4"] = {"class_type": "KSampler",
+                   "inputs": {"model": model, "seed": 1, "steps": cfg.get("steps", 2), "cfg": 1.0,
+                              "sampler_name": "euler", "scheduler": "simple", "positive": ["2", 0],
+                              "negative": ["2", 0], "latent_image": ["3", 0], "denoise": 1.0}}
+    prompt["5"] = {"class_type": "SolAttnTestSaveLatent", "inputs": {"samples": ["4", 0], "path": latent_path}}
+    return prompt
+
+
+class AttentionCapture:
+    """Records every DiT attention call of MiniMax-H3 (q, k, v, the attention input x and the
+    output the call returned), by wrapping ``Attention.forward`` and the model module's
+    ``optimized_attention`` of the real ComfyUI code."""
+
+    def __init__(self):
+        import comfy.ldm.minimax.model as h3
+        self.h3 = h3
+        self.calls = []
+        self._x = None
+        attention_forward = h3.Attention.forward
+        optimized = h3.optimized_attention
+        capture = self
+
+        def forward(module, x, rope_freqs=None, transformer_options={}):
+            capture._x = (module, x.detach().clone())
+            try:
+                return attention_forward(module, x, rope_freqs=rope_freqs, transformer_options=transformer_options)
+            finally:
+                capture._x = None
+
+        def attention(q, k, v, heads, **kwargs):
+            opts = kwargs.get("transformer_options") or {}
+            layout = opts.get("minimax_h3_layout")
+            record = None
+            tensors = [t.peek() if isinstance(t, h3.AttentionTensorContainer) else t for t in (q, k, v)]
+            if layout is not None and capture._x is not None and tensors[0].shape[2] == layout.seq_len:
+                module, x = capture._x
+                record = {"block": opts.get("block_index"), "module": module, "x": x, "layout": layout,
+                          "sigma": float(opts["sigmas"].reshape(-1)[0]) if "sigmas" in opts else None,
+                          "qkv": [t.detach().clone() for t in tensors]}
+            out = optimized(q, k, v, heads, **kwargs)
+            if record is not None:
+                record["out"] = out.detach().clone()
+                capture.calls.append(record)
+            return out
+
+        h3.Attention.forward = forward
+        h3.optimized_attention = attention
+
+
+def direct_solattn(call, method, keep_percent=10.0, tau=1.3, sink_conditioning="exact_kv_and_rows",
+                   vsa_prefix="exempt"):
+    """The attention of one captured call computed by solattn directly, in ComfyUI's returned
+    layout ``(1, S, H * D)``; grid, prefix segments and sinks are derived here from the layout."""
+    import solattn
+    q, k, v = (t.transpose(1, 2) for t in call["qkv"])            # (1, H, S, D) -> (1, S, H, D)
+    layout = call["layout"]
+    segments = layout.segments
+    video = [(a, b) for a, b, kind in segments if kind == "video"][0]
+    with torch.inference_mode(False), torch.no_grad():
+        if method == "vsa":
+            _, lat_t, lat_h, lat_w, _ = layout.signature
+            grid = (lat_t, lat_h // 2, lat_w // 2)
+            prefix = [b - a for a, b, kind in segments if kind != "video" and b > a]
+            gate = call["module"].to_gate_compress(call["x"].clone()).view(q.shape)
+            out = solattn.video_sparse_attn(q, k, v, grid, sparsity=(100.0 - keep_percent) / 100.0, gate=gate,
+                                            prefix_len=prefix, prefix_mode=vsa_prefix)
+        else:
+            sink_blocks = sink_q = None
+            if sink_conditioning != "off":
+                sink_blocks = [0, -(-video[0] // 64)]
+                audio = [a for a, b, kind in segments if kind == "audio"]
+                if sink_conditioning == "exact_kv_and_rows":
+                    sink_q = [audio[0] // 64, sink_blocks[1]] if audio else list(sink_blocks)
+            out = solattn.sol_attn(q, k, v, tau=tau, sink_blocks=sink_blocks, sink_q=sink_q,
+                                   topk_ratio=0.0 if method == "sol-attn" else keep_percent / 100.0)
+        dense = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+    return out.flatten(2), dense.transpose(1, 2).flatten(2)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def main(config_path):
+    with open(config_path) as f:
+        cfg = json.load(f)
+    base = cfg["base"]
+    lines = _Lines()
+    logging.getLogger().addHandler(lines)
+    logging.getLogger().setLevel(logging.INFO)
+    nodes, execution = start_comfyui(cfg["comfyui"], base)
+    load_node_folders(nodes, base, [NODE_FOLDER, TEST_NODES] + cfg.get("extra_node_folders", []))
+
+    ckpt = "fasth3_tiny.safetensors"
+    write_checkpoint(os.path.join(base, "models", "diffusion_models", ckpt), **cfg.get("checkpoint", {}))
+    capture = AttentionCapture() if cfg.get("capture") else None
+
+    latent_path = os.path.join(base, "latent.pt")
+    prompt = build_prompt(cfg, ckpt, latent_path)
+    result = {"node_types": sorted(n["class_type"] for n in prompt.values())}
+    valid = asyncio.run(execution.validate_prompt("p1", prompt, None))
+    result["valid"] = bool(valid[0])
+    if not valid[0]:
+        result["validation"] = repr(valid[1:])
+        return result, lines, cfg
+    executor = execution.PromptExecutor(_Server(), cache_type=execution.CacheType.CLASSIC,
+                                        cache_args={"lru": 0, "ram": 16.0, "ram_inactive": 16.0})
+    t0 = time.perf_counter()
+    executor.execute(prompt, "p1", {}, valid[2])
+    result["seconds"] = time.perf_counter() - t0
+    result["success"] = bool(executor.success)
+    errors = [data for event, data in executor.status_messages if event == "execution_error"]
+    result["error"] = (f"{errors[0].get('exception_type')}: {errors[0].get('exception_message')}"
+                       if errors else None)
+    if errors:
+        result["traceback"] = "".join(errors[0].get("traceback", []))
+    if os.path.exists(latent_path):
+        tensors = torch.load(latent_path)
+        result["latent_shapes"] = [list(t.shape) for t in tensors]
+        result["latent_finite"] = all(bool(torch.isfinite(t).all()) for t in tensors)
+        result["latent_norm"] = [float(t.double().norm()) for t in tensors]
+    if capture is not None:
+        want = cfg["capture"]
+        compared = []
+        for call in capture.calls:
+            if want.get("block") is not None and call["block"] != want["block"]:
+                continue
+            out, dense = direct_solattn(call, **{k: v for k, v in want.items() if k != "block"})
+            compared.append({"block": call["block"], "sigma": call["sigma"], "dtype": str(call["qkv"][0].dtype),
+                             "tokens": call["qkv"][0].shape[2],
+                             "rel_err_vs_direct": rel(call["out"], out),
+                             "rel_diff_vs_dense": rel(call["out"], dense)})
+        result["captures"] = compared
+    return result, lines, cfg
+
+
+if __name__ == "__main__":
+    res, log_lines, config = main(sys.argv[1])
+    res["log"] = log_lines.lines
+    with open(config["result"], "w") as out_file:
+        json.dump(res, out_file, indent=1)

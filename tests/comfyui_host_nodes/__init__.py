@@ -1,0 +1,49 @@
+"""Custom nodes for the real-ComfyUI tests only (loaded from a temporary ``custom_nodes``).
+
+No text encoder runs in the test environment, so conditioning is built here: zero text states of
+the shape MiniMax-H3's ``condition_proj`` takes. The sampled latent is written to a file by an
+output node, so the test process can read it after the executor finished.
+"""
+
+import torch
+
+
+class SolAttnTestZeroConditioning:
+    """CONDITIONING of ``tokens`` zero text states of width ``dim`` (MiniMax-H3: its text_dim)."""
+
+    CATEGORY = "testing"
+    FUNCTION = "make"
+    RETURN_TYPES = ("CONDITIONING",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"tokens": ("INT", {"default": 77, "min": 1, "max": 4096}),
+                             "dim": ("INT", {"default": 64, "min": 1, "max": 8192})}}
+
+    def make(self, tokens, dim):
+        return ([[torch.zeros(1, tokens, dim), {}]],)
+
+
+class SolAttnTestSaveLatent:
+    """Writes the latent's tensors (a nested video/audio latent is saved as its list) to ``path``."""
+
+    CATEGORY = "testing"
+    FUNCTION = "save"
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",), "path": ("STRING", {"default": ""})}}
+
+    def save(self, samples, path):
+        s = samples["samples"]
+        tensors = list(s.unbind()) if getattr(s, "is_nested", False) else [s]
+        torch.save([t.detach().clone().float() for t in tensors], path)
+        return ()
+
+
+NODE_CLASS_MAPPINGS = {
+    "SolAttnTestZeroConditioning": SolAttnTestZeroConditioning,
+    "SolAttnTestSaveLatent": SolAttnTestSaveLatent,
+}
