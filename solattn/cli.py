@@ -85,8 +85,8 @@ def _wrapped(text: str, indent: int) -> str:
 
 def check(args) -> int:
     from .backends.reference import reference_forward
+    from .testing import tolerance
     device = args.device if args.device is not None else dispatch.best_device()
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}   # SPEC.md, "Accuracy"
     rows, failed = [], False
     infos = [b for b in dispatch.list_backends(device) if b["name"] != "reference"]
     runnable = [b["name"] for b in infos if b["available"]]
@@ -104,7 +104,7 @@ def check(args) -> int:
             try:
                 got = backend.forward(p, build_plan(p) if backend.uses_plan else None).float()
                 err = ((got - want)[:, live].norm() / want[:, live].norm()).item()
-                ok = math.isfinite(err) and err < tol[q.dtype]
+                ok = math.isfinite(err) and err < tolerance(q.dtype)
                 rows.append((name_, name, "pass" if ok else "FAIL",
                              f"rel L2 {err:.2e} ({(time.perf_counter() - t0) * 1e3:.0f} ms)"))
             except Exception as e:  # report, don't hide: a crash is a failure

@@ -11,7 +11,7 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NoReturn, Optional, Tuple
 
 import torch
 
@@ -19,8 +19,9 @@ BLOCK = 64
 """Tokens per routing block (SPEC.md, "Blocks")."""
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPE_NAMES = "torch.bfloat16, torch.float16 or torch.float32"
+""":data:`SUPPORTED_DTYPES` as an error message lists them."""
 TOKEN_AUG_VALUES = (0, 64, 128, 192, 256)
-_DTYPE_NAMES = "torch.bfloat16, torch.float16 or torch.float32"
 
 
 def num_blocks(T: int) -> int:
@@ -139,12 +140,48 @@ def _warn_if_sdpa_layout(shape: Tuple[int, int, int, int]) -> None:
         "back). This warning is shown once.", UserWarning, stacklevel=4)
 
 
-def _fail(arg: str, received, allowed: str, exc=ValueError):
-    raise exc(f"sol_attn: argument '{arg}' received {received}; allowed: {allowed}")
+def fail(fn: str, arg: str, received, allowed: str, exc=ValueError) -> NoReturn:
+    """Raise ``exc`` (``TypeError`` for a wrong type, ``ValueError`` for a wrong value) with
+    solattn's refusal message: the function, the argument, what it received, what is allowed."""
+    raise exc(f"{fn}: argument '{arg}' received {received}; allowed: {allowed}")
 
 
-def _tensor_desc(t: torch.Tensor) -> str:
+def _fail(arg: str, received, allowed: str, exc=ValueError) -> NoReturn:
+    fail("sol_attn", arg, received, allowed, exc)
+
+
+def tensor_desc(t: torch.Tensor) -> str:
+    """A tensor as refusal messages describe it: shape, dtype, device."""
     return f"a tensor of shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_qkv(fn: str, q, k, v, layout: str = "(B, T, H, D)") -> None:
+    """``q``, ``k``, ``v`` are 4-D tensors of a supported dtype, ``k`` and ``v`` with q's shape,
+    dtype and device; ``layout`` names the expected shape in the messages."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            fail(fn, name, type(t).__name__, f"a torch.Tensor of shape {layout}", TypeError)
+        if t.dim() != 4:
+            fail(fn, name, tensor_desc(t), f"a 4-D tensor of shape {layout}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            fail(fn, name, tensor_desc(t), f"dtype {DTYPE_NAMES}", TypeError)
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            fail(fn, name, tensor_desc(t), f"the shape, dtype and device of q ({tensor_desc(q)})")
+
+
+def check_gate(fn: str, arg: str, gate, q: torch.Tensor, shape_note: str = "") -> None:
+    """``gate`` is None or a tensor of a supported dtype with q's shape and device (``shape_note``
+    follows the shape in the message, e.g. how it is sharded)."""
+    if gate is None:
+        return
+    allowed = f"None or a tensor of dtype {DTYPE_NAMES} and q's shape {tuple(q.shape)}{shape_note} on {q.device}"
+    if not isinstance(gate, torch.Tensor):
+        fail(fn, arg, type(gate).__name__, allowed, TypeError)
+    if gate.dtype not in SUPPORTED_DTYPES:
+        fail(fn, arg, tensor_desc(gate), allowed, TypeError)
+    if gate.shape != q.shape or gate.device != q.device:
+        fail(fn, arg, tensor_desc(gate), allowed)
 
 
 def _check_real(name: str, value, allow_none: bool = False) -> Optional[float]:
@@ -191,9 +228,9 @@ def _normalise_key_bias(key_bias, B: int, T: int, device) -> Optional[torch.Tens
     if not isinstance(key_bias, torch.Tensor):
         _fail("key_bias", f"{type(key_bias).__name__}", allowed, TypeError)
     if key_bias.dtype != torch.bool and not key_bias.dtype.is_floating_point:
-        _fail("key_bias", _tensor_desc(key_bias), allowed, TypeError)
+        _fail("key_bias", tensor_desc(key_bias), allowed, TypeError)
     if key_bias.device != device:
-        _fail("key_bias", _tensor_desc(key_bias), allowed)
+        _fail("key_bias", tensor_desc(key_bias), allowed)
     shape = tuple(key_bias.shape)
     if len(shape) == 1 and shape == (T,):
         kb = key_bias.reshape(1, T)
@@ -202,7 +239,7 @@ def _normalise_key_bias(key_bias, B: int, T: int, device) -> Optional[torch.Tens
     elif len(shape) == 4 and shape[3] == T and shape[0] in (1, B) and shape[1] == 1 and shape[2] == 1:
         kb = key_bias.reshape(shape[0], T)
     else:
-        _fail("key_bias", _tensor_desc(key_bias), allowed)
+        _fail("key_bias", tensor_desc(key_bias), allowed)
     if kb.dtype == torch.bool:
         zero = torch.zeros((), dtype=torch.float32, device=device)
         return torch.where(kb, zero, torch.full_like(zero, -math.inf))
@@ -216,19 +253,10 @@ def validate(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bi
     Raises ``TypeError`` for a wrong type and ``ValueError`` for a wrong value;
     the message names the argument, what was received and what is allowed.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            _fail(name, type(t).__name__, "a torch.Tensor of shape (B, T, H, D)", TypeError)
-        if t.dim() != 4:
-            _fail(name, _tensor_desc(t), "a 4-D tensor of shape (B, T, H, D)")
-        if t.dtype not in SUPPORTED_DTYPES:
-            _fail(name, _tensor_desc(t), f"dtype {_DTYPE_NAMES}", TypeError)
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
-            _fail(name, _tensor_desc(t), f"the shape, dtype and device of q ({_tensor_desc(q)})")
+    check_qkv("sol_attn", q, k, v)
     B, T, H, D = q.shape
     if min(B, T, H, D) < 1:
-        _fail("q", _tensor_desc(q), "B, T, H, D >= 1 (an empty sequence T = 0 is not allowed)")
+        _fail("q", tensor_desc(q), "B, T, H, D >= 1 (an empty sequence T = 0 is not allowed)")
     _warn_if_sdpa_layout((B, T, H, D))
     n = num_blocks(T)
 
@@ -255,18 +283,11 @@ def validate(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bi
         if not isinstance(block_len, torch.Tensor):
             _fail("block_len", type(block_len).__name__, allowed, TypeError)
         if block_len.dtype != torch.int32:
-            _fail("block_len", _tensor_desc(block_len), allowed, TypeError)
+            _fail("block_len", tensor_desc(block_len), allowed, TypeError)
         if tuple(block_len.shape) != (n,) or block_len.device != q.device:
-            _fail("block_len", _tensor_desc(block_len), allowed)
+            _fail("block_len", tensor_desc(block_len), allowed)
 
-    if coarse_gate is not None:
-        allowed = f"None or a tensor of dtype {_DTYPE_NAMES} and q's shape {tuple(q.shape)} on {q.device}"
-        if not isinstance(coarse_gate, torch.Tensor):
-            _fail("coarse_gate", type(coarse_gate).__name__, allowed, TypeError)
-        if coarse_gate.dtype not in SUPPORTED_DTYPES:
-            _fail("coarse_gate", _tensor_desc(coarse_gate), allowed, TypeError)
-        if coarse_gate.shape != q.shape or coarse_gate.device != q.device:
-            _fail("coarse_gate", _tensor_desc(coarse_gate), allowed)
+    check_gate("sol_attn", "coarse_gate", coarse_gate, q)
 
     if isinstance(token_aug, bool) or not isinstance(token_aug, numbers.Integral):
         _fail("token_aug", repr(token_aug), f"one of {TOKEN_AUG_VALUES}", TypeError)

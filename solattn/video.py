@@ -30,13 +30,10 @@ from .ops import (PLANS, autograd_dispatch, backward_buffers, backward_grads, ch
                   recompute_grads, run_for_backward)
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, finite, validate
+from .validation import fail as _fail
 
 Grid = Tuple[int, int, int]
 DEFAULT_CUBE: Grid = (4, 4, 4)
-
-
-def _fail(fn: str, arg: str, received, allowed: str, exc=ValueError):
-    raise exc(f"{fn}: argument '{arg}' received {received}; allowed: {allowed}")
 
 
 def _check_triple(fn: str, arg: str, value, what: str) -> Grid:

@@ -15,13 +15,12 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..validation import SUPPORTED_DTYPES
+from ..validation import DTYPE_NAMES as _DTYPE_NAMES, SUPPORTED_DTYPES
 from .group import _desc, _fail, wait
 
 Tensor = torch.Tensor
 
 _DTYPE_CODES = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
-_DTYPE_NAMES = "torch.bfloat16, torch.float16 or torch.float32"
 _ERRORS = {1: ValueError, 2: TypeError}
 _HEADER = ("status", "T_r", "B", "H", "D", "dtype", "gate dtype", "text bytes")
 _TEXT = 4096          # bytes per rank for the argument description or the error message

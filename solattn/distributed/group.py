@@ -12,15 +12,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..validation import fail as _fail, tensor_desc as _desc  # noqa: F401 (agree.py imports them from here)
+
 Tensor = torch.Tensor
-
-
-def _fail(fn: str, arg: str, received, allowed: str, exc=ValueError):
-    raise exc(f"{fn}: argument '{arg}' received {received}; allowed: {allowed}")
-
-
-def _desc(t: Tensor) -> str:
-    return f"a tensor of shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
 def _group_info(fn: str, group) -> Tuple[int, int]:

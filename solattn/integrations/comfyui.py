@@ -35,7 +35,7 @@ import torch
 
 from .. import dispatch
 from ..ops import sol_attn
-from ..validation import BLOCK, validate
+from ..validation import BLOCK, fail, validate
 from ..video import video_sparse_attn
 
 log = logging.getLogger("solattn.comfyui")
@@ -51,7 +51,7 @@ CALLBACK_KEY = "solattn_sparse_attention"
 
 
 def _fail(arg: str, received, allowed: str, exc=ValueError):
-    raise exc(f"{DISPLAY_NAME}: argument '{arg}' received {received!r}; allowed: {allowed}")
+    fail(DISPLAY_NAME, arg, repr(received), allowed, exc)
 
 
 #: a dense_blocks entry: (block type or None for any, block index)
