@@ -8,16 +8,17 @@ plain eager call (no gradient, tracing, tensor subclass or dispatch mode, see
 :func:`plain_eager`) runs the op's computation directly, through the active
 :func:`solattn.graphs.cuda_graphs` cache when there is one.
 
-Autograd: when the forward ran on the ``triton`` backend, the op also returns
-each row's log-sum-exp and the output's rounding residual, and the backward is
-the fused one (:mod:`solattn.backends.triton.backward`): the forward's plan is
-taken back (:data:`PLANS`) or, when it has differentiable block terms, rebuilt
-(same inputs, same selection); two kernels give the token-level gradients and the
-block-level ones (tail, coarse, key centroid) go through the plan's block means
-with torch autograd. Otherwise the backward pass recomputes the forward with
-autograd enabled through a differentiable backend (the one that ran the forward
-when it supports autograd, else the first one in the device's priority that
-does) and differentiates that. The selection is treated as constant either way.
+Autograd follows the backend that ran the forward (``Backend.differentiation``). A
+backend with its own backward (``"own"``, e.g. ``triton``) fills the op's extra
+outputs (:class:`~solattn.backends.base.BackwardBuffers`) and its ``backward``
+gives the token-level gradients; the forward's plan is taken back (:data:`PLANS`)
+or, when it has differentiable block terms, rebuilt (same inputs, same selection),
+and the gradients of those terms (tail, coarse, key centroid) go through the
+plan's block means with torch autograd. Otherwise (``"recompute"``) the backward
+pass recomputes the forward with autograd enabled through a differentiable
+backend (the one that ran the forward when it supports autograd, else the first
+one in the device's priority that does) and differentiates that. The selection
+is treated as constant either way.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from . import dispatch, graphs
 from .budget import BUDGETS, current_budget
-from .backends.triton.backend import TritonBackend
+from .backends.base import Backend, BackwardBuffers, Gradients
 from .routing import build_plan
 from .validation import BLOCK, Problem, validate
 
@@ -62,8 +63,8 @@ def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
 
 
 def backward_buffers(q: Tensor, v: Tensor, want: bool, rows: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """The custom ops' outputs for the fused backward, ``(lse, resid)``: when a backward may need
-    them (written only by the triton forward), an fp32 ``(B, H, n * 64)`` log-sum-exp and a
+    """The custom ops' outputs for a backend's own backward, ``(lse, resid)`` (``BackwardBuffers``):
+    when a backward may need them (written only by such a backend), an fp32 ``(B, H, n * 64)`` and a
     ``(B, rows, H, D)`` tensor of v's dtype for the output's rounding residual; else two empty
     ``(0,)`` tensors. ``rows``: the sequence length the kernel runs on, when not q's (VSA's tiled
     layout)."""
@@ -77,7 +78,7 @@ def backward_buffers(q: Tensor, v: Tensor, want: bool, rows: Optional[int] = Non
 
 
 class _PlanHandoff:
-    """The plan of the last triton forward a fused backward may follow, per thread, from the op's
+    """The plan of the last forward an own backward may follow, per thread, from the op's
     computation to its ``setup_context`` (which runs right after it in the same thread and keeps
     the plan on the autograd node: it lives and dies with the graph, and a second backward of a
     retained graph reuses it). The op returns the token in its CPU ``fused`` output; a slot whose
@@ -102,7 +103,7 @@ class _PlanHandoff:
             return None
         waiting = getattr(self._slot, "value", None)
         self._slot.value = None
-        token = int(fused.item())
+        token = int(fused[0])
         return waiting[1] if waiting is not None and token and waiting[0] == token else None
 
 
@@ -124,19 +125,39 @@ def fused_plan_allowed(chosen, problem: Problem, want_lse: bool) -> bool:
     return bool(getattr(chosen, "fused_plan", False)) and not (want_lse and has_block_terms(problem))
 
 
-def run_for_backward(chosen, problem: Problem, plan, lse: Tensor, resid: Tensor) -> Tuple[Tensor, Tensor]:
-    """Run the chosen backend; on ``triton`` with :func:`backward_buffers`, also fill them. Returns
-    the output and a CPU int64 flag: 0 when the fused backward does not apply, else a
-    :data:`PLANS` token (the plan waits under it when it has no differentiable block terms)."""
-    if isinstance(chosen, TritonBackend) and lse.numel():
-        out = chosen.forward(problem, plan, lse=lse, resid=resid)
-        return out, torch.tensor(PLANS.put(None if has_block_terms(problem) else plan), dtype=torch.int64)
-    return chosen.forward(problem, plan), torch.zeros((), dtype=torch.int64)
+#: names of the backends with their own backward that ran a forward of this process, so that
+#: the op's ``fused`` output can say which one a backward calls (its position + 1)
+_OWN_BACKWARD: List[str] = []
 
 
-def fused_grads(problem_of: Callable, make_plan: Callable, inputs, out: Tensor, lse: Tensor,
+def run_for_backward(chosen: Backend, problem: Problem, plan, lse: Tensor, resid: Tensor) -> Tuple[Tensor, Tensor]:
+    """Run the chosen backend; one with its own backward also fills :func:`backward_buffers` when
+    they are not empty. Returns the output and ``fused``, a CPU int64 ``(2,)`` tensor: a
+    :data:`PLANS` token (the plan waits under it when it has no differentiable block terms) and
+    which backend's backward applies (:func:`own_backward`), both 0 when the backward recomputes."""
+    if chosen.differentiation == "own" and lse.numel():
+        out = chosen.forward_for_backward(problem, plan, BackwardBuffers(lse, resid))
+        if chosen.name not in _OWN_BACKWARD:
+            _OWN_BACKWARD.append(chosen.name)
+        token = PLANS.put(None if has_block_terms(problem) else plan)
+        return out, torch.tensor([token, _OWN_BACKWARD.index(chosen.name) + 1], dtype=torch.int64)
+    return chosen.forward(problem, plan), torch.zeros((2,), dtype=torch.int64)
+
+
+def own_backward(lse: Tensor, fused: Tensor) -> Optional[Backend]:
+    """The backend whose own backward differentiates a forward that returned ``lse`` and
+    ``fused`` (:func:`run_for_backward`), or None when the backward recomputes."""
+    which = int(fused[1]) if lse.numel() else 0
+    return dispatch.get_backend(_OWN_BACKWARD[which - 1]) if which else None
+
+
+def _fake_fused() -> Tensor:
+    return torch.empty((2,), dtype=torch.int64)
+
+
+def fused_grads(backend: Backend, problem_of: Callable, make_plan: Callable, inputs, out: Tensor, lse: Tensor,
                 resid: Tensor, grad_out: Tensor, bias_grad: bool, settings=None, saved=None):
-    """Gradients through the triton backend's fused backward. ``problem_of(q, k, v)`` validates the
+    """Gradients through ``backend``'s own backward. ``problem_of(q, k, v)`` validates the
     forward's problem on the given tensors, ``make_plan(problem)`` rebuilds its plan (the same
     selection: same inputs); ``inputs`` = ``(q, k, v)``; ``out``, ``lse``, ``resid`` the forward's outputs.
     Returns ``(dq, dk, dv, dgate, dbias)`` in the problem's layout (``dbias`` ``(B, T)`` fp32 summed
@@ -144,9 +165,8 @@ def fused_grads(problem_of: Callable, make_plan: Callable, inputs, out: Tensor, 
     ``saved``: the forward's plan when it was kept (:data:`PLANS`), used instead of a rebuild when
     the plan has no differentiable block terms."""
     if settings is not None:
-        return settings.copy().run(fused_grads, problem_of, make_plan, inputs, out, lse, resid, grad_out,
-                                   bias_grad, None, saved)
-    from .backends.triton.backward import fused_backward, grads_through_plan
+        return settings.copy().run(fused_grads, backend, problem_of, make_plan, inputs, out, lse, resid,
+                                   grad_out, bias_grad, None, saved)
     probe = problem_of(*inputs)
     block_terms = has_block_terms(probe)
     if block_terms:
@@ -161,16 +181,27 @@ def fused_grads(problem_of: Callable, make_plan: Callable, inputs, out: Tensor, 
         else:
             with torch.no_grad():
                 plan = make_plan(problem)
-    if problem.device.type == "cuda":                  # launch on the inputs' GPU, as the forward does
-        with torch.cuda.device(problem.device):
-            grads = fused_backward(problem, plan, out, lse, resid, grad_out, bias_grad=bias_grad)
-    else:
-        grads = fused_backward(problem, plan, out, lse, resid, grad_out, bias_grad=bias_grad)
+    grads = backend.backward(problem, plan, out, BackwardBuffers(lse, resid), grad_out, bias_grad)
     dq, dk, dv = grads.dq, grads.dk, grads.dv
     if block_terms:
         extra = grads_through_plan(plan, grads, leaves)
         dq, dk, dv = (d if e is None else d + e.to(d.dtype) for d, e in zip((dq, dk, dv), extra))
     return dq, dk, dv, grads.dgate, grads.dbias
+
+
+def grads_through_plan(plan, grads: Gradients, leaves) -> Tuple[Optional[Tensor], ...]:
+    """Back-propagate the plan terms' gradients (``grads.plan``) through the plan's differentiable
+    terms (built with autograd from the block means of ``leaves`` = ``(q, k, v)``) to ``leaves``;
+    ``(None, None, None)`` when the plan records none of them."""
+    outs, gouts = [], []
+    for name, g in grads.plan.items():
+        t = getattr(plan, name)
+        if t is not None and t.requires_grad:
+            outs.append(t)
+            gouts.append(g.to(t.dtype))
+    if not outs:
+        return (None, None, None)
+    return torch.autograd.grad(outs, list(leaves), gouts, allow_unused=True)
 
 
 def recompute_grads(forward, inputs, grad_out, requested: Optional[str], required=(), settings=None):
@@ -323,7 +354,7 @@ def _sol_attn_op(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[fl
 def _(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
       coarse_gate, token_aug, backend, want_lse):
     return (torch.empty(q.shape, dtype=v.dtype, device=v.device), *backward_buffers(q, v, want_lse),
-            torch.empty((), dtype=torch.int64))
+            _fake_fused())
 
 
 def _setup_context(ctx, inputs, output):
@@ -405,16 +436,17 @@ def backward_grads(ctx, op, grads: Callable, saved: tuple, grad_out: Tensor):
 def _sol_attn_grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out,
                     tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, backend,
                     bias_grad: bool, gate_grad: bool, settings=None, plan=None):
-    """``(dq, dk, dv, dgate, dbias)`` of ``sol_attn`` (None where not asked for): the fused
-    backward after a triton forward, else a recomputation through a differentiable backend.
+    """``(dq, dk, dv, dgate, dbias)`` of ``sol_attn`` (None where not asked for): the own backward
+    of the backend that ran the forward, else a recomputation through a differentiable backend.
     ``settings``, ``plan``: the forward's context and kept plan, when the backward runs eagerly."""
     bias_leaf = key_bias if bias_grad else None
-    if lse.numel() and int(fused.item()):                     # the forward ran the triton kernel
+    own = own_backward(lse, fused)
+    if own is not None:
         def problem_of(qd, kd, vd):
             return validate(qd, kd, vd, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
                             block_len, coarse_gate, token_aug)
 
-        gq, gk, gv, gg, gb = fused_grads(problem_of, build_plan, (q, k, v), out, lse, resid, grad_out,
+        gq, gk, gv, gg, gb = fused_grads(own, problem_of, build_plan, (q, k, v), out, lse, resid, grad_out,
                                          bias_grad=bias_grad, settings=settings, saved=plan)
         if gb is not None:                   # (B or 1, T) summed over heads -> key_bias's shape
             if key_bias.numel() != gb.numel():

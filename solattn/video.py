@@ -25,9 +25,9 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend
-from .ops import (PLANS, autograd_dispatch, backward_buffers, backward_grads, check_transforms, fake_grads,
-                  forward_settings, fused_grads, fused_plan_allowed, grads_as_outputs, plain_eager,
-                  recompute_grads, run_for_backward)
+from .ops import (PLANS, _fake_fused, autograd_dispatch, backward_buffers, backward_grads, check_transforms,
+                  fake_grads, forward_settings, fused_grads, fused_plan_allowed, grads_as_outputs, own_backward,
+                  plain_eager, recompute_grads, run_for_backward)
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, finite, validate
 from .validation import fail as _fail
@@ -330,7 +330,7 @@ def _tiled_rows(grid, segments) -> int:
 @_vsa_op.register_fake
 def _(q, k, v, grid, k_vid, gate, scale, backend, segments, mode, want_lse):
     return (torch.empty(q.shape, dtype=v.dtype, device=v.device),
-            *backward_buffers(q, v, want_lse, _tiled_rows(grid, segments)), torch.empty((), dtype=torch.int64))
+            *backward_buffers(q, v, want_lse, _tiled_rows(grid, segments)), _fake_fused())
 
 
 def _vsa_setup_context(ctx, inputs, output):
@@ -346,9 +346,10 @@ def _vsa_setup_context(ctx, inputs, output):
 def _vsa_grads(q, k, v, gate, out, lse, resid, fused, grad_out, grid, k_vid, scale, backend, segments, mode,
                gate_grad: bool, settings=None, plan=None):
     """``(dq, dk, dv, dgate)`` of ``video_sparse_attn`` (``dgate`` None when not asked for): the
-    fused backward after a triton forward, else a recomputation through a differentiable backend.
+    own backward of the backend that ran the forward, else a recomputation through a differentiable backend.
     ``settings``, ``plan``: the forward's context and kept plan, when the backward runs eagerly."""
-    if lse.numel() and int(fused.item()):                     # the forward ran the triton kernel
+    own = own_backward(lse, fused)
+    if own is not None:
         layout = _layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
         tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
         tg = _tiled_gate(gate, tq, layout)
@@ -359,7 +360,7 @@ def _vsa_grads(q, k, v, gate, out, lse, resid, fused, grad_out, grid, k_vid, sca
         def make_plan(problem):
             return build_vsa_plan(problem, k_vid, layout.num_prefix_blocks, mode)
 
-        gq, gk, gv, gg, _ = fused_grads(problem_of, make_plan, (tq, tk, tv), _to_tiled(out, layout), lse,
+        gq, gk, gv, gg, _ = fused_grads(own, problem_of, make_plan, (tq, tk, tv), _to_tiled(out, layout), lse,
                                         resid, _to_tiled(grad_out, layout), bias_grad=False, settings=settings,
                                         saved=plan)
         gq, gk, gv = (g.index_select(1, layout.slots) for g in (gq, gk, gv))

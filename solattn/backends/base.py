@@ -2,16 +2,50 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, FrozenSet, List, Optional, Tuple, Union
+from dataclasses import dataclass, field
+from typing import ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from ..validation import Problem
 
+#: ``"autograd"``: the backend's forward records torch autograd, so a backward pass can
+#: differentiate a recomputation through it (see :attr:`Backend.differentiation`)
 ALL_FEATURES = frozenset({"tau", "topk", "tail", "key_bias", "block_len", "coarse_gate",
                           "sink_blocks", "sink_q", "autograd"})
 
+#: the ways a backend differentiates, see :attr:`Backend.differentiation`
+DIFFERENTIATION = ("recompute", "own")
+
 DeviceLike = Union[str, torch.device]
+
+
+class BackwardBuffers(NamedTuple):
+    """What the forward of a backend with its own backward keeps for that backward. The op layer
+    allocates both when a backward may follow; the backend's :meth:`Backend.forward_for_backward`
+    writes them and its :meth:`Backend.backward` reads them (their meaning is the backend's)."""
+
+    #: fp32 ``(B, H, n * 64)``: one value per row of every query block (e.g. a log-sum-exp)
+    lse: torch.Tensor
+    #: ``(B, T, H, D)`` of v's dtype, contiguous (e.g. the output's rounding residual)
+    resid: torch.Tensor
+
+
+@dataclass
+class Gradients:
+    """What :meth:`Backend.backward` returns. Token-level gradients in the inputs' dtypes and
+    layout, taken with the plan's terms held constant; the plan's differentiable block terms get
+    their gradients in :attr:`plan`, and the op layer carries those on to q, k and v."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    #: the coarse gate's gradient when the problem has one
+    dgate: Optional[torch.Tensor] = None
+    #: fp32 ``(B, T)``, summed over heads, when a float key bias's gradient was asked for
+    dbias: Optional[torch.Tensor] = None
+    #: gradients of plan terms by field name (``tail_lse``, ``tail_value``, ``coarse``, ``key_mean``)
+    plan: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Backend:
@@ -40,6 +74,14 @@ class Backend:
     fused_plan: ClassVar[bool] = False
     #: on CUDA devices, the oldest compute capability the backend runs on, e.g. ``(8, 0)``
     min_compute_capability: ClassVar[Optional[Tuple[int, int]]] = None
+    #: how a backward pass differentiates the backend's output:
+    #:
+    #: - ``"recompute"``: the forward runs again with autograd recording, through this backend
+    #:   when it declares the ``"autograd"`` feature, else through the device's first one that does;
+    #: - ``"own"``: the backend's own backward: :meth:`forward_for_backward` fills
+    #:   :class:`BackwardBuffers` while computing the output, :meth:`backward` returns the
+    #:   :class:`Gradients`. The selection is treated as constant either way.
+    differentiation: ClassVar[str] = "recompute"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -48,6 +90,13 @@ class Backend:
             if final in vars(cls):
                 raise TypeError(f"backend class {cls.__name__} overrides Backend.{final}; the generic "
                                 f"capability checks live there once: override {hook} to add reasons")
+        if cls.differentiation not in DIFFERENTIATION:
+            raise TypeError(f"backend class {cls.__name__}: attribute 'differentiation' received "
+                            f"{cls.differentiation!r}; allowed: one of {DIFFERENTIATION}")
+        missing = [m for m in ("forward_for_backward", "backward") if getattr(cls, m) is getattr(Backend, m)]
+        if cls.differentiation == "own" and missing:
+            raise TypeError(f"backend class {cls.__name__} declares differentiation='own' and does not "
+                            f"define {' and '.join(missing)}")
 
     # ------------------------------------------------------------------ hooks for subclasses
 
@@ -89,6 +138,20 @@ class Backend:
 
     def forward(self, problem: Problem, plan=None) -> torch.Tensor:
         """Compute the ``(B, T, H, D)`` output (v's dtype, contiguous)."""
+        raise NotImplementedError
+
+    def forward_for_backward(self, problem: Problem, plan, buffers: BackwardBuffers) -> torch.Tensor:
+        """With ``differentiation = "own"``: :meth:`forward`'s output, and fill ``buffers`` with
+        what :meth:`backward` needs. Runs under ``torch.no_grad``."""
+        raise NotImplementedError
+
+    def backward(self, problem: Problem, plan, out: torch.Tensor, buffers: BackwardBuffers,
+                 grad_out: torch.Tensor, bias_grad: bool) -> Gradients:
+        """With ``differentiation = "own"``: the :class:`Gradients` of the forward that returned
+        ``out`` and filled ``buffers``, given the output's gradient ``grad_out`` (any strides).
+        ``plan`` selects what the forward's did; its tail / coarse / key-mean terms may record
+        autograd, which the backend leaves alone (it returns their gradients in ``plan``).
+        ``bias_grad``: return a float key bias's gradient."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -6,6 +6,7 @@ first forward call, and a missing Triton is reported as a reason instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -17,7 +18,7 @@ from ... import graphs
 from ...kernels import interpret_on, interpreting
 from ...kernels import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
-from ..base import ALL_FEATURES, Backend
+from ..base import ALL_FEATURES, Backend, BackwardBuffers, Gradients
 
 #: environment variable that opts in to running the kernel on Intel XPUs
 XPU_OPT_IN = "SOLATTN_TRITON_XPU"
@@ -270,10 +271,11 @@ class TritonBackend(Backend):
     devices = frozenset({"cuda", "xpu", "cpu"})
     dtypes = frozenset({torch.bfloat16, torch.float16})
     head_dims = frozenset({16, 32, 64, 128})
-    features = ALL_FEATURES - {"autograd"}
+    features = ALL_FEATURES - {"autograd"}   # the kernel records no autograd: it has its own backward
     uses_plan = True
     fused_plan = True  # reads kv_num_blocks entries per row; the row stride is kv_indices' width
     min_compute_capability = (8, 0)
+    differentiation = "own"
 
     def device_reasons(self, device: torch.device) -> List[str]:
         # conditions that installing Triton cannot fix come first, so the advice fits the machine
@@ -287,13 +289,30 @@ class TritonBackend(Backend):
         return []
 
     def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None,
-                lse: Optional[torch.Tensor] = None, resid: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The output; with ``lse`` and ``resid`` (see :func:`launch`) also what
-        :func:`solattn.backends.triton.backward.fused_backward` needs."""
+                buffers: Optional[BackwardBuffers] = None) -> torch.Tensor:
+        """The output; with ``buffers`` also what :meth:`backward` needs (see :func:`launch`:
+        each row's base-2 log-sum-exp and the output's rounding residual)."""
         if plan is None:
             raise ValueError("triton backend: forward needs the routing plan (solattn.routing.build_plan(problem))")
-        with torch.no_grad():
-            if problem.device.type == "cuda":
-                with torch.cuda.device(problem.device):
-                    return launch(problem, plan, config, lse=lse, resid=resid)
+        lse, resid = buffers if buffers is not None else (None, None)
+        with torch.no_grad(), _on_device(problem):
             return launch(problem, plan, config, lse=lse, resid=resid)
+
+    def forward_for_backward(self, problem: Problem, plan, buffers: BackwardBuffers) -> torch.Tensor:
+        return self.forward(problem, plan, buffers=buffers)
+
+    def backward(self, problem: Problem, plan, out: torch.Tensor, buffers: BackwardBuffers,
+                 grad_out: torch.Tensor, bias_grad: bool) -> Gradients:
+        """The fused backward (:mod:`solattn.backends.triton.backward`): two kernels give the
+        token-level gradients and the block-level sums of the plan's terms."""
+        from . import backward  # imports triton
+        with _on_device(problem):
+            g = backward.fused_backward(problem, plan, out, buffers.lse, buffers.resid, grad_out, bias_grad=bias_grad)
+        terms = {"tail_lse": g.dtail_lse, "tail_value": g.dtail_value, "coarse": g.dcoarse, "key_mean": g.dkey_mean}
+        return Gradients(dq=g.dq, dk=g.dk, dv=g.dv, dgate=g.dgate, dbias=g.dbias,
+                         plan={name: t for name, t in terms.items() if t is not None})
+
+
+def _on_device(problem: Problem):
+    """Launch on the inputs' GPU (the kernels take the current device's stream)."""
+    return torch.cuda.device(problem.device) if problem.device.type == "cuda" else contextlib.nullcontext()

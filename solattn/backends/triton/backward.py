@@ -23,8 +23,8 @@ gradient and ``delta_t = dO_t . O_t``, a logit's natural-log gradient is ``p (dO
   and accumulates ``dk``, ``dv`` and, for a float key bias, ``dbias``; no atomics.
 
 The block-level sums are ``(B, H, n, ...)`` tensors: :func:`fused_backward` hands them to the
-caller, which back-propagates them through the plan's differentiable block means, tail and
-coarse terms with torch autograd (``grads_through_plan``). Dead query rows (``block_len``) get
+caller (the op layer), which back-propagates them through the plan's differentiable block means,
+tail and coarse terms with torch autograd. Dead query rows (``block_len``) get
 zero gradients and send none to keys; dead keys get zero gradients.
 """
 
@@ -334,18 +334,3 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
             dtail_lse=dtl if ops.has_tail else None, dtail_value=dtv if ops.has_tail else None,
             dcoarse=dco if ops.has_coarse else None,
             dkey_mean=dkm.sum(dim=2, keepdim=True) if ops.has_tail else None)
-
-
-def grads_through_plan(plan, grads: FusedGrads, leaves) -> Tuple[Optional[torch.Tensor], ...]:
-    """Back-propagate the block-level sums of ``grads`` through the plan's differentiable terms
-    (tail, coarse, key centroid; built with autograd from the block means of ``leaves`` =
-    ``(q, k, v)``) to ``leaves``; ``(None, None, None)`` when the plan has none of those terms."""
-    outs, gouts = [], []
-    for t, g in ((plan.tail_lse, grads.dtail_lse), (plan.tail_value, grads.dtail_value),
-                 (plan.coarse, grads.dcoarse), (plan.key_mean, grads.dkey_mean)):
-        if t is not None and g is not None and t.requires_grad:
-            outs.append(t)
-            gouts.append(g.to(t.dtype))
-    if not outs:
-        return (None, None, None)
-    return torch.autograd.grad(outs, list(leaves), gouts, allow_unused=True)
