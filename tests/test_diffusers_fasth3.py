@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,6 +218,19 @@ def test_gate_keys_missing_are_named_and_nothing_changes():
     assert not hasattr(model.transformer_blocks[0].attn, "to_gate_compress") and not model._forward_pre_hooks
 
 
+def test_a_compiled_wrapper_reaches_its_module_and_enabling_twice_is_refused():
+    model = tiny_model()
+    compiled = torch.compile(model)                       # not run: only the wrapper matters here
+    fasth3.enable_fasth3(compiled, tiny_gates())
+    assert isinstance(model._solattn_fasth3, fasth3.FastH3) and model._forward_pre_hooks
+    with pytest.raises(RuntimeError, match="already enabled"):
+        fasth3.enable_fasth3(model, tiny_gates())
+    fasth3.disable(compiled, keep_gates=True)
+    assert not model._forward_pre_hooks and model.transformer_blocks[0].attn.to_gate_compress is not None
+    with pytest.raises(ValueError, match="argument 'transformer'"):
+        fasth3.disable(model)
+
+
 def test_gates_from_safetensors_in_comfyui_naming(tmp_path):
     from safetensors.torch import save_file
     gates = tiny_gates(naming="model.diffusion_model.blocks.{}.attn.to_gate_compress.weight")
@@ -225,3 +242,65 @@ def test_gates_from_safetensors_in_comfyui_naming(tmp_path):
         assert torch.equal(block.attn.to_gate_compress.weight,
                            gates[f"model.diffusion_model.blocks.{i}.attn.to_gate_compress.weight"])
     assert "transformer_blocks.1.attn.to_gate_compress.weight" in model.state_dict()
+
+
+@pytest.mark.parametrize("order", ["enable_then_offload", "offload_then_enable"])
+def test_sequential_cpu_offload_moves_the_gates_with_their_module(order):
+    """accelerate's cpu_offload (what diffusers' enable_sequential_cpu_offload calls): weights live
+    off the module (meta) and are loaded per call; the gates must be too, in either order."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed (diffusers' offload needs it)")
+    reference = tiny_model()
+    fasth3.enable_fasth3(reference, tiny_gates())
+    model = tiny_model()
+    if order == "enable_then_offload":
+        fasth3.enable_fasth3(model, tiny_gates())
+        accelerate.cpu_offload(model, execution_device="cpu", offload_buffers=True)
+    else:
+        accelerate.cpu_offload(model, execution_device="cpu", offload_buffers=True)
+        fasth3.enable_fasth3(model, tiny_gates())
+    assert model.transformer_blocks[1].attn.to_gate_compress.weight.device.type == "meta"
+    with torch.no_grad():
+        assert torch.equal(model(**tiny_inputs())[0], reference(**tiny_inputs())[0])
+
+
+def test_model_cpu_offload_hook_composes():
+    """accelerate's cpu_offload_with_hook (diffusers' enable_model_cpu_offload): the gates are
+    ordinary submodules, moved with the whole transformer."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed (diffusers' offload needs it)")
+    reference = tiny_model()
+    fasth3.enable_fasth3(reference, tiny_gates())
+    model, hook = accelerate.cpu_offload_with_hook(tiny_model(), "cpu")
+    fasth3.enable_fasth3(model, tiny_gates())
+    with torch.no_grad():
+        assert torch.equal(model(**tiny_inputs())[0], reference(**tiny_inputs())[0])
+    hook.offload()
+    assert model.transformer_blocks[0].attn.to_gate_compress.weight.device.type == "cpu"
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_transformer():
+    """torch.compile of a FastH3 transformer: the pre-hook runs eagerly (a graph break), the
+    processors' choice is guarded, so the window switches between sparse and dense graphs."""
+    model, untouched = tiny_model(), tiny_model()
+    fasth3.enable_fasth3(model, tiny_gates(), start_percent=0.5)
+    early, late = tiny_inputs(video_timestep=0.0), tiny_inputs(video_timestep=0.5)
+    with torch.no_grad():
+        eager_late = model(**late)[0]
+        dense_early, dense_late = untouched(**early)[0], untouched(**late)[0]
+        compiled = torch.compile(model)
+        assert rel(compiled(**late)[0], eager_late) < 1e-5
+        assert rel(compiled(**early)[0], dense_early) < 1e-5      # outside the window: dense
+        assert rel(compiled(**late)[0], eager_late) < 1e-5
+    assert rel(eager_late, dense_late) > 1e-3                     # inside it: sparse
+
+
+@pytest.mark.slow
+def test_tiny_example_runs():
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "examples" / "diffusers_fasth3_tiny.py"), "--device", "cpu"],
+                         capture_output=True, text=True, timeout=600, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0, res.stderr
+    assert "after disable, equal to the dense model: True" in res.stdout
+    difference = float(res.stdout.split("relative difference to the dense model: ")[1].split()[0])
+    assert 1e-3 < difference < 1.0

@@ -152,7 +152,7 @@ class FastH3:
             timestep, rows = inputs["timestep"], inputs["timestep_indices"]
             sigma = 1.0 - float(timestep.reshape(-1)[rows.reshape(-1)[-1]])   # the generated video's
             if sigma > self.sigma_start or sigma < self.sigma_end:
-                self.note(("schedule", round(sigma, 4)),
+                self.note("schedule",
                           f"dense: sigma {sigma:.4g} (timestep {1 - sigma:.4g}) is outside the sparse window "
                           f"[{self.sigma_end:.4g}, {self.sigma_start:.4g}]")
                 return None
@@ -274,8 +274,7 @@ def _transformer_blocks(transformer) -> Sequence[nn.Module]:
     attn = getattr(blocks[0], "attn", None) if blocks else None
     if attn is None or not hasattr(attn, "set_processor") or not hasattr(attn, "processor"):
         _fail("transformer", type(transformer).__name__,
-              "a diffusers MiniMaxH3Transformer3DModel (transformer_blocks[i].attn with set_processor); "
-              "for a torch.compile'd model pass the module it wraps (._orig_mod) or enable before compiling")
+              "a diffusers MiniMaxH3Transformer3DModel (transformer_blocks[i].attn with set_processor)")
     if getattr(transformer, STATE_ATTR, None) is not None:
         raise RuntimeError("enable_fasth3: FastH3 is already enabled on this transformer; call "
                            "solattn.integrations.diffusers.disable(transformer) first to change its settings")
@@ -288,9 +287,9 @@ def enable_fasth3(transformer, gates, *, sparsity: float = 0.9, prefix_mode: str
     """Run a diffusers ``MiniMaxH3Transformer3DModel`` as FastH3 (VSA attention through solattn).
 
     Args:
-        transformer: the loaded transformer (e.g. ``pipe.transformer``), changed in place. Call
-            this before ``torch.compile`` of it and before diffusers' group offloading; model
-            and sequential CPU offload may come before or after.
+        transformer: the loaded transformer (e.g. ``pipe.transformer``), changed in place (a
+            ``torch.compile``'d one: the module it wraps). Call this before diffusers' group
+            offloading; model and sequential CPU offload may come before or after.
         gates: the gate projections ``to_gate_compress``: a state dict, a safetensors file, a
             folder of them (the FastH3 ``transformer`` folder, or the pipeline folder holding
             it) or a list of files; diffusers (``transformer_blocks.{i}``) or ComfyUI
@@ -310,6 +309,7 @@ def enable_fasth3(transformer, gates, *, sparsity: float = 0.9, prefix_mode: str
     Returns:
         The :class:`FastH3` state (also stored as ``transformer._solattn_fasth3``).
     """
+    transformer = getattr(transformer, "_orig_mod", transformer)      # a torch.compile'd model's module
     blocks = _transformer_blocks(transformer)
     frozen = _check_settings(sparsity, prefix_mode, start_percent, end_percent, shift, dense_blocks, len(blocks))
     attns = [block.attn for block in blocks]
@@ -343,6 +343,7 @@ def enable_fasth3(transformer, gates, *, sparsity: float = 0.9, prefix_mode: str
 def disable(transformer, *, keep_gates: bool = False) -> None:
     """Undo :func:`enable_fasth3`: the original processors and no hook; the gate projections are
     removed unless ``keep_gates`` (they are unused by the dense model either way)."""
+    transformer = getattr(transformer, "_orig_mod", transformer)
     state = getattr(transformer, STATE_ATTR, None)
     if not isinstance(state, FastH3):
         raise ValueError(f"disable: argument 'transformer' received a {type(transformer).__name__} without "
