@@ -167,6 +167,9 @@ def main():
     lines += ["", "Dense: diffusers' own processor and `dispatch_attention_fn` (default backend). FastH3: "
               "`enable_fasth3` (sparse attention through solattn's dispatch). The model rows time whole "
               "forwards (projections, FFN and the rest included)."]
+    if a.small:
+        lines += ["", "`--small` checks that the script runs end to end; at this size the sparse call's "
+                  "fixed costs (layout, plan) dominate, so its timings say nothing about H3's size."]
     out = a.out or str(ROOT / "benchmarks" / "results" / device_folder(device) / "diffusers_h3.md")
     publish(lines, out)
 

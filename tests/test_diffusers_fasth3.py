@@ -263,18 +263,34 @@ def test_sequential_cpu_offload_moves_the_gates_with_their_module(order):
         assert torch.equal(model(**tiny_inputs())[0], reference(**tiny_inputs())[0])
 
 
-def test_model_cpu_offload_hook_composes():
-    """accelerate's cpu_offload_with_hook (diffusers' enable_model_cpu_offload): the gates are
-    ordinary submodules, moved with the whole transformer."""
-    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed (diffusers' offload needs it)")
+@pytest.mark.parametrize("order", ["enable_then_offload", "offload_then_enable"])
+def test_pipeline_model_cpu_offload_composes(order):
+    """diffusers' own enable_model_cpu_offload (accelerate's whole-model hook) on a pipeline holding
+    the transformer: the gates are ordinary submodules, moved with it."""
+    pytest.importorskip("accelerate", reason="accelerate is not installed (diffusers' offload needs it)")
+    from diffusers import DiffusionPipeline
+
+    class TinyPipeline(DiffusionPipeline):
+        model_cpu_offload_seq = "transformer"
+
+        def __init__(self, transformer):
+            super().__init__()
+            self.register_modules(transformer=transformer)
+
     reference = tiny_model()
     fasth3.enable_fasth3(reference, tiny_gates())
-    model, hook = accelerate.cpu_offload_with_hook(tiny_model(), "cpu")
-    fasth3.enable_fasth3(model, tiny_gates())
+    pipe = TinyPipeline(tiny_model())
+    if order == "enable_then_offload":
+        fasth3.enable_fasth3(pipe.transformer, tiny_gates())
+        pipe.enable_model_cpu_offload(device="cpu")
+    else:
+        pipe.enable_model_cpu_offload(device="cpu")
+        fasth3.enable_fasth3(pipe.transformer, tiny_gates())
     with torch.no_grad():
-        assert torch.equal(model(**tiny_inputs())[0], reference(**tiny_inputs())[0])
-    hook.offload()
-    assert model.transformer_blocks[0].attn.to_gate_compress.weight.device.type == "cpu"
+        assert torch.equal(pipe.transformer(**tiny_inputs())[0], reference(**tiny_inputs())[0])
+    pipe.maybe_free_model_hooks()                    # re-installs the hooks, as after a pipeline call
+    assert isinstance(pipe.transformer._solattn_fasth3, fasth3.FastH3)
+    assert pipe.transformer.transformer_blocks[0].attn.to_gate_compress.weight.device.type == "cpu"
 
 
 @pytest.mark.slow
