@@ -5,6 +5,7 @@ computation of the VSA-H3 definition (SPEC.md, "With a conditioning prefix")."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import subprocess
@@ -170,12 +171,16 @@ def test_transformer_equals_float64_reference_model(dense_output):
     assert rel(out, dense_output) > 1e-3          # and it is not the dense model
 
 
-def test_outside_the_window_dense_bit_for_bit_and_disable_restores():
+def test_outside_the_window_dense_bit_for_bit_and_disable_restores(caplog):
     model, untouched = tiny_model(), tiny_model()
     fasth3.enable_fasth3(model, tiny_gates(), start_percent=0.5)      # sparse while sigma <= 0.923
     early, late = tiny_inputs(video_timestep=0.0), tiny_inputs(video_timestep=0.5)   # sigma 1.0, 0.5
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="solattn.diffusers"):
         assert torch.equal(model(**early)[0], untouched(**early)[0])
+        assert torch.equal(model(**early)[0], untouched(**early)[0])
+    said = [r.getMessage() for r in caplog.records if "outside the sparse window" in r.getMessage()]
+    assert said == ["FastH3: dense: sigma 1 (timestep 0) is outside the sparse window [0, 0.9231]"]
+    with torch.no_grad():
         assert not torch.equal(model(**late)[0], untouched(**late)[0])
         fasth3.disable(model)
         assert not hasattr(model.transformer_blocks[0].attn, "to_gate_compress")
