@@ -27,14 +27,14 @@ def test_plan_form_matches_its_dense_mask(kw):
     assert plan.kv_num_blocks.shape == (B, H, n) and plan.kv_num_blocks.dtype == torch.int32
     assert plan.kv_indices.dtype == torch.int32 and plan.kv_indices.shape[:3] == (B, H, n)
     assert plan.kv_indices.shape[3] == int(plan.kv_num_blocks.max())
-    assert torch.equal(plan.kv_num_blocks, plan.exact.sum(-1).int())
+    assert torch.equal(plan.kv_num_blocks, plan.dense_mask().sum(-1).int())
     for b in range(B):
         for h in range(H):
             for i in range(n):
                 c = int(plan.kv_num_blocks[b, h, i])
                 idx = plan.kv_indices[b, h, i, :c].tolist()
                 assert idx == sorted(idx) and len(set(idx)) == c           # ascending, unique
-                assert idx == torch.nonzero(plan.exact[b, h, i]).squeeze(1).tolist()
+                assert idx == torch.nonzero(plan.dense_mask()[b, h, i]).squeeze(1).tolist()
                 assert plan.kv_indices[b, h, i, c:].eq(0).all()              # zero padding
                 assert all(abs(i - j) > 1 or j in idx for j in range(n))      # neighbours forced
     assert (plan.tail_lse is None) == (not p.tail)
@@ -101,7 +101,7 @@ def test_tail_terms_equal_their_definition():
     for b in range(p.B):
         for h in range(p.H):
             for i in range(p.n):
-                out = ~plan.exact[b, h, i]
+                out = ~plan.dense_mask()[b, h, i]
                 if not out.any():
                     assert math.isinf(plan.tail_lse[b, h, i].item())
                     continue

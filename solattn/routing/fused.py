@@ -298,4 +298,5 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
 
     return Plan(kv_num_blocks=bh(kv_num), kv_indices=bh(kv_idx), block_len=L, key_mean=m.view(B, H, 1, D),
                 tail_lse=bh(tail_lse) if tail else None, tail_value=bh(tail_value) if tail else None,
-                coarse=bh(coarse_out) if coarse else None, touches_dead=bh(touch.view(torch.bool)))
+                coarse=bh(coarse_out) if coarse else None, touches_dead=bh(touch.view(torch.bool)),
+                seq_len=T)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from ..budget import current_budget
-from ..validation import BLOCK, Problem
+from ..validation import BLOCK, Problem, fail
 from .stats import BlockStats, serial_cpu
 
 #: Selection rule of one chunk: ``select(g0, g1, i0, i1)`` -> ``(g1 - g0, i1 - i0, n)`` bool,
@@ -60,9 +60,13 @@ class Plan:
       a backend adds ``gate_t * coarse_i`` to every row t of query block i.
     - ``touches_dead``: ``(B, H, n)`` bool, True where some exact key block of query block i has
       dead rows (``L_j < 64``), i.e. where the exact keys need a mask.
+    - ``seq_len``: T, the tokens the plan covers (``n = ceil(T / block_size)``).
+    - ``block_size``: tokens per routing block (64, :data:`solattn.BLOCK`).
 
-    The same selection as a dense ``(B, H, n, n)`` bool mask is :meth:`dense_mask` (also the
-    ``exact`` property); it is derived on demand and is not needed by backends.
+    Derived forms are computed on demand: the selection as a dense ``(B, H, n, n)`` bool mask
+    (:meth:`dense_mask`), transposed for a backward pass that walks key blocks
+    (:meth:`query_lists`, computed once per plan and kept), as a FlexAttention ``BlockMask``
+    (:meth:`to_block_mask`). A plan is immutable: its tensors must not be written to.
     """
 
     kv_num_blocks: torch.Tensor
@@ -73,10 +77,31 @@ class Plan:
     tail_value: Optional[torch.Tensor]
     coarse: Optional[torch.Tensor]
     touches_dead: torch.Tensor
+    seq_len: int
+    block_size: int = BLOCK
+    #: what the plan derives and keeps (see :meth:`query_lists`); not part of its identity
+    _derived: Dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def n(self) -> int:
+        """Query (and key) blocks: ``ceil(seq_len / block_size)``."""
         return self.block_len.shape[0]
+
+    @property
+    def batch(self) -> int:
+        return self.kv_num_blocks.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.kv_num_blocks.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key_mean.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_indices.device
 
     @property
     def kept_fraction(self) -> float:
@@ -91,13 +116,64 @@ class Plan:
         mask = torch.zeros(*self.kv_num_blocks.shape, n + 1, dtype=torch.bool, device=cols.device)
         return mask.scatter_(-1, cols, True)[..., :n]
 
-    exact = property(dense_mask, doc="Same as :meth:`dense_mask` (derived on each access).")
-
     def query_lists(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """The selection transposed, for a backward pass that walks key blocks: for each key block
         j, the query blocks i whose list holds j, as ``(q_num_blocks (B, H, n), q_indices
-        (B, H, n, Mq))`` int32, ascending, 0-padded (:func:`indices_from_mask`; one host sync)."""
-        return indices_from_mask(self.dense_mask().transpose(-1, -2))
+        (B, H, n, Mq))`` int32, ascending, 0-padded, contiguous (:func:`indices_from_mask`: one
+        host sync, on the first call only; later calls return the same tensors)."""
+        lists = self._derived.get("query_lists")
+        if lists is None:
+            lists = self._derived["query_lists"] = indices_from_mask(self.dense_mask().transpose(-1, -2))
+        return lists
+
+    def to_block_mask(self):
+        """The exact branch's selection as a FlexAttention ``BlockMask`` over ``(B, H, T, T)``
+        (``torch.nn.attention.flex_attention``): query token t attends key token u when u's block
+        is listed for t's block and u is live (``u mod block_size < L_j``, ``block_len``). Listed
+        blocks whose rows are all live are full blocks (no ``mask_mod`` call in a compiled
+        kernel), the others partial; the ``mask_mod`` holds the whole rule, as eager
+        ``flex_attention`` needs. The pooled tail, the coarse branch and ``key_bias`` are not
+        part of it: ``flex_attention(q, k, v, block_mask=...)`` on ``(B, H, T, D)`` tensors is
+        ``sol_attn`` with ``tail=False``, no ``key_bias`` and no ``coarse_gate`` (a row whose
+        selection holds no live key gives 0). Built on each call, without a host sync."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        size, live = self.block_size, self.block_len.to(torch.int32)
+        selected = self.dense_mask()
+        whole = live == size
+
+        def selected_live_keys(b, h, q_idx, kv_idx):
+            return selected[b, h, q_idx // size, kv_idx // size] & (kv_idx % size < live[kv_idx // size])
+
+        # a BlockMask reads the number of key blocks from the width of its lists: n wide
+        partial = _indices_from_mask(selected & ~whole, width=self.n)
+        full = _indices_from_mask(selected & whole, width=self.n)
+        return BlockMask.from_kv_blocks(partial[0], partial[1].contiguous(), full[0], full[1].contiguous(),
+                                        BLOCK_SIZE=size, mask_mod=selected_live_keys,
+                                        seq_lengths=(self.seq_len, self.seq_len))
+
+
+def _describe(batch: int, heads: int, seq_len: int, head_dim: int, block_size: int, device, tail: bool,
+              coarse: bool) -> str:
+    terms = [name for name, has in (("tail", tail), ("coarse", coarse)) if has]
+    return (f"B={batch} H={heads} T={seq_len} D={head_dim}, {block_size}-token blocks, on {device}, "
+            f"{'with ' + ' and '.join(terms) + ' terms' if terms else 'without tail or coarse terms'}")
+
+
+def check_plan(fn: str, problem: Problem, plan) -> Plan:
+    """``plan``, when it was built for ``problem``'s shapes, block size, device and branches (the
+    tail terms exactly when ``problem.tail``, the coarse term exactly when it has a coarse gate);
+    else a ``TypeError`` / ``ValueError`` naming ``fn``'s argument ``plan``, what it holds and what
+    the call needs. Metadata only: no host sync."""
+    if not isinstance(plan, Plan):
+        fail(fn, "plan", type(plan).__name__, "None or a solattn Plan (solattn.routing.Plan)", TypeError)
+    want = _describe(problem.B, problem.H, problem.T, problem.D, BLOCK, problem.device, problem.tail,
+                     problem.coarse_gate is not None)
+    got = _describe(plan.batch, plan.heads, plan.seq_len, plan.head_dim, plan.block_size, plan.device,
+                    plan.tail_lse is not None, plan.coarse is not None)
+    if got != want:
+        fail(fn, "plan", f"a plan of {got}", f"a plan built for this call: {want}")
+    return plan
 
 
 def coarse_rows(qm: torch.Tensor, km: torch.Tensor, vm: torch.Tensor, scale: float) -> torch.Tensor:
@@ -132,12 +208,16 @@ def indices_from_mask(exact: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return counts, idx.contiguous()
 
 
-def _indices_from_mask(exact: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _indices_from_mask(exact: torch.Tensor, width: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`indices_from_mask` with the indices as a view (the caller copies them into place).
-    Selected block j goes to column ``cumsum_j`` (1-based), unselected ones to scratch column 0."""
+    Selected block j goes to column ``cumsum_j`` (1-based), unselected ones to scratch column 0.
+    ``width``: the lists' width when the caller knows one that holds every count (n): no host sync."""
     n = exact.shape[-1]
     counts = exact.sum(dim=-1, dtype=torch.int32)
-    M = max(1, int(counts.max().item())) if counts.numel() else 1
+    if width is not None:
+        M = width
+    else:
+        M = max(1, int(counts.max().item())) if counts.numel() else 1
     pos = exact.cumsum(dim=-1).mul_(exact)                                # int64; 0 where unselected
     idx = torch.zeros(*exact.shape[:-1], M + 1, dtype=torch.int32, device=exact.device)
     idx.scatter_(-1, pos, _arange(n, exact.device).expand_as(exact))
@@ -218,7 +298,8 @@ def _assemble(problem: Problem, stats: BlockStats, select: Selector, tail: bool,
         if coarse:
             part = coarse_rows(qm, km, vm, problem.scale)
         return Plan(kv_num_blocks=bh(counts), kv_indices=bh(idx), block_len=stats.L, key_mean=stats.m,
-                    tail_lse=bh(lse), tail_value=bh(tv), coarse=bh(part), touches_dead=bh(touches))
+                    tail_lse=bh(lse), tail_value=bh(tv), coarse=bh(part), touches_dead=bh(touches),
+                    seq_len=problem.T)
 
     # Everything that outlives a chunk is allocated before the loop and written in place: on the
     # CPU, small long-lived allocations made between the chunks' large temporaries pin glibc's
@@ -287,4 +368,4 @@ def _assemble(problem: Problem, stats: BlockStats, select: Selector, tail: bool,
 
     return Plan(kv_num_blocks=bh(kv_num_blocks), kv_indices=bh(kv_indices), block_len=stats.L,
                 key_mean=stats.m, tail_lse=bh(tail_lse), tail_value=bh(tail_value), coarse=bh(coarse_out),
-                touches_dead=bh(touches))
+                touches_dead=bh(touches), seq_len=problem.T)

@@ -1,0 +1,101 @@
+"""The Plan as an object: what it knows about itself, what it keeps, and its FlexAttention form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import solattn
+from solattn import routing
+from solattn.testing import make_qkv, rel_l2
+from solattn.validation import validate
+
+
+def _plan(T=300, B=2, H=3, D=16, seed=0, **kw):
+    q, k, v = make_qkv(B, T, H, D, seed=seed)
+    problem = validate(q, k, v, **kw)
+    return problem, routing.build_plan(problem)
+
+
+def test_plan_knows_its_sizes():
+    problem, plan = _plan(T=300, topk_ratio=0.3)
+    assert (plan.batch, plan.heads, plan.seq_len, plan.head_dim) == (2, 3, 300, 16)
+    assert plan.block_size == solattn.BLOCK == 64 and plan.n == 5 == -(-300 // plan.block_size)
+    assert plan.device == problem.device
+
+
+def test_query_lists_are_derived_once():
+    """The transposed lists (the fused backward's key-block walk) cost a host sync: a plan builds
+    them on the first request and hands out the same tensors afterwards."""
+    _, plan = _plan(topk_ratio=0.4)
+    q_num, q_idx = plan.query_lists()
+    again = plan.query_lists()
+    assert again[0] is q_num and again[1] is q_idx
+    mask = plan.dense_mask()
+    assert torch.equal(q_num, mask.sum(dim=2, dtype=torch.int32))
+    for b, h, j in [(0, 0, 0), (1, 2, 3), (1, 1, 4)]:
+        c = int(q_num[b, h, j])
+        assert q_idx[b, h, j, :c].tolist() == torch.nonzero(mask[b, h, :, j]).squeeze(1).tolist()
+
+
+@pytest.mark.parametrize("kw", [dict(topk_ratio=0.3), dict(tau=0.5, sink_blocks=(0, 1)),
+                                dict(topk_ratio=0.2, sink_q=(1, 2), block_len=True)])
+def test_block_mask_matches_create_block_mask(kw):
+    """``to_block_mask()`` selects what ``create_block_mask`` makes of the same rule written as a
+    ``mask_mod`` (selected block and live key): the same blocks, and the same tokens within them."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    T = 300
+    if kw.pop("block_len", False):
+        kw["block_len"] = torch.tensor([64, 40, 64, 17, 44], dtype=torch.int32)
+    problem, plan = _plan(T=T, **kw)
+    dense, live = plan.dense_mask(), plan.block_len
+
+    def rule(b, h, q_idx, kv_idx):
+        return dense[b, h, q_idx // 64, kv_idx // 64] & (kv_idx % 64 < live[kv_idx // 64])
+
+    want = create_block_mask(rule, plan.batch, plan.heads, T, T, device="cpu", BLOCK_SIZE=64)
+    got = plan.to_block_mask()
+    assert got.BLOCK_SIZE == (64, 64) and got.seq_lengths == (T, T)
+    # create_block_mask files each block as full or partial, to_block_mask lists every one as
+    # partial (the mask_mod decides): the union is the block-level selection
+    assert torch.equal(got.to_dense().bool(), want.to_dense().bool())
+    tok = torch.arange(T)
+    for bi, hi in [(0, 0), (1, 2)]:
+        token_got = got.mask_mod(torch.tensor(bi), torch.tensor(hi), tok[:, None], tok[None, :])
+        token_want = rule(torch.tensor(bi), torch.tensor(hi), tok[:, None], tok[None, :])
+        assert torch.equal(token_got & dense[bi, hi].repeat_interleave(64, 0)[:T].repeat_interleave(64, 1)[:, :T],
+                           token_want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_attention_with_the_block_mask_is_sol_attn_without_tail(dtype):
+    """``flex_attention`` (eager) with the plan's BlockMask computes ``sol_attn``'s exact branch:
+    the reference backend's output with ``tail=False``."""
+    from torch.nn.attention.flex_attention import flex_attention
+    q, k, v = make_qkv(1, 200, 2, 32, dtype=dtype, seed=4)
+    bl = torch.tensor([64, 50, 64, 8], dtype=torch.int32)
+    problem = validate(q, k, v, topk_ratio=0.4, tail=False, block_len=bl)
+    plan = routing.build_plan(problem)
+    want = solattn.sol_attn(q, k, v, topk_ratio=0.4, tail=False, block_len=bl, backend="reference")
+    got = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=plan.to_block_mask(),
+                         scale=problem.scale).transpose(1, 2)
+    live = routing.live_token_mask(plan.block_len).reshape(-1)[:200]  # dead query rows: unspecified
+    assert rel_l2(got[:, live].float(), want[:, live].float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_a_plan_for_another_call_is_refused():
+    problem, plan = _plan(T=300, topk_ratio=0.3)
+    assert routing.check_plan("sol_attn", problem, plan) is plan
+    q, k, v = make_qkv(2, 300, 3, 16, seed=1)
+    cases = [
+        (validate(q[:, :200], k[:, :200], v[:, :200], topk_ratio=0.3), r"B=2 H=3 T=300 .*allowed: .*T=200"),
+        (validate(q[:1], k[:1], v[:1], topk_ratio=0.3), r"B=2 .*allowed: .*B=1 "),
+        (validate(q, k, v, topk_ratio=0.3, tail=False), r".*with tail terms.*allowed: .*without tail"),
+        (validate(q, k, v, topk_ratio=0.3, coarse_gate=q), r".*allowed: .*with tail and coarse terms"),
+        (validate(*(t.to("meta") for t in (q, k, v)), topk_ratio=0.3), r".*on cpu.*allowed: .*on meta"),
+    ]
+    for other, pattern in cases:
+        with pytest.raises(ValueError, match=r"sol_attn: argument 'plan' received a plan of " + pattern):
+            routing.check_plan("sol_attn", other, plan)
+    with pytest.raises(TypeError, match=r"argument 'plan' received Tensor; allowed: None or a solattn Plan"):
+        routing.check_plan("sol_attn", problem, plan.kv_indices)
