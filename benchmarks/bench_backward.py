@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import solattn  # noqa: E402
 from solattn.backends.triton.backend import launch  # noqa: E402
-from solattn.backends.triton.backward import (BackwardConfig, DEFAULT_BACKWARD, DEFAULT_BACKWARD_CONFIGS,  # noqa: E402,E501
-                                              DELTA_SOURCES, fused_backward, lse_shape)
+from solattn.backends.triton.backward import fused_backward, lse_shape  # noqa: E402
+from solattn.backends.triton.tuning import DELTA_SOURCES, BackwardConfig  # noqa: E402
 from solattn.bench.report import publish  # noqa: E402
 from solattn.bench.timing import log, reset_clock, time_calls  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
@@ -141,7 +141,7 @@ def run_case(name, shape, kw, with_gate, dev, repeats):
     if ref_leaves is not None:
         row["grad err"] = ", ".join(f"{n} {rel_l2(a, b.grad):.1e}" for n, a, b in zip(names, fused, ref_leaves))
     if ref_leaves is not None and not kw.get("tail", True) and not with_gate:   # token-level = whole gradient
-        default = DEFAULT_BACKWARD_CONFIGS.get(D, DEFAULT_BACKWARD)
+        default = BackwardConfig()
         for mode in DELTA_SOURCES:
             g = fused_backward(problem, plan, out, lse, resid, w, config=replace(default, delta=mode))
             row[f"grad err, delta {mode}"] = ", ".join(
@@ -159,7 +159,7 @@ def run_case(name, shape, kw, with_gate, dev, repeats):
 def sweep(state, dev, repeats):
     """Kernel time of every backward launch config on one case (the default first)."""
     problem, plan, out, lse, resid, w = state
-    default = DEFAULT_BACKWARD_CONFIGS.get(problem.D, DEFAULT_BACKWARD)
+    default = BackwardConfig()
     configs = [default]
     for dqw in (4, 8):
         for dqs in (2, 3):

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import solattn  # noqa: E402
 from solattn.backends.triton import TritonBackend, launch  # noqa: E402
 from solattn.bench.timing import log, synchronize, time_calls  # noqa: E402
+from solattn.config import current_tuning, set_tuning  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
 from solattn.routing import fused  # noqa: E402
 from solattn.routing.fused import fused_plan, fused_plan_usable  # noqa: E402
@@ -169,7 +170,7 @@ def markdown(results, device_name):
             "| sol_attn ms | graph plan+kernel ms | dense ms | vs dense | rows differ | tail_value max abs "
             "| coarse max abs | err fused plan | err torch plan |")
     lines = [f"Routing plan, {device_name}, torch {torch.__version__}, fused dot precision "
-             f"{fused.DOT_PRECISION or 'default (tf32x3 on compute capability 8.0+, else ieee)'}", "", head,
+             f"{current_tuning(fused.FusedPlanTuning).dot_precision or 'default (tf32x3 on compute capability 8.0+, else ieee)'}", "", head,
              "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         if "error" in r:
@@ -203,7 +204,7 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    fused.DOT_PRECISION = args.dot
+    set_tuning(fused.FusedPlanTuning(dot_precision=args.dot))
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
         device, shapes, args.repeats = torch.device("cpu"), DRY_SHAPES, min(args.repeats, 2)

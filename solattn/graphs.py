@@ -31,7 +31,8 @@ bound and gain nothing.
 Constraints:
 
 * A graph is keyed by every input's address, shape, strides, dtype and device, the
-  caller's ``extra`` (the non-tensor arguments) and the current CUDA stream. It replays
+  caller's ``extra`` (the non-tensor arguments), the current CUDA stream and the tuning in
+  force (:func:`solattn.config.tuning_key`: a call under other launch settings captures anew). It replays
   whatever memory sits at those addresses, so new *contents* hit the cache, new
   *tensors* (fresh allocations) usually miss it. Every tensor ``fn`` reads must be in
   ``tensors`` and every other value that changes its work must be in ``extra``.
@@ -64,6 +65,8 @@ import warnings
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
+
+from .config import tuning_key
 
 __all__ = ["cuda_graphs", "active_cache", "GraphCache", "GraphStats"]
 
@@ -204,7 +207,7 @@ class GraphCache:
 
         if not self._eligible(tensors):
             return self._eager(fn)
-        key = (self._context_key(tensors), extra, tuple(
+        key = (self._context_key(tensors), extra, tuning_key(), tuple(
             None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
             for t in tensors))
 

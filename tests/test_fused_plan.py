@@ -19,6 +19,7 @@ if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
     pytest.skip(f"interpreter tests need triton >= 3.9 (found {triton.__version__})", allow_module_level=True)
 
 import solattn  # noqa: E402
+from solattn import config  # noqa: E402
 from solattn.backends.triton import TritonBackend  # noqa: E402
 from solattn.routing import build_plan, fused  # noqa: E402
 from solattn.testing import assert_selection_clear, make_qkv  # noqa: E402
@@ -33,14 +34,23 @@ def _interpret(monkeypatch):
 
 
 
+@pytest.fixture
+def tma_everywhere():
+    """TMA descriptors at the tests' small sizes too (no ``tma_min_programs`` threshold)."""
+    from solattn.backends.triton import TritonTuning
+    with config.tuning(TritonTuning(tma_min_programs=0)):
+        yield
+
+
 def _compare(problem, clear=True, tuning=None):
     """Fused plan == torch plan: identical selection, pooled terms within fp32 rounding.
-    ``tuning``: launch settings of ``fused._fused_plan`` (default: the shipped ones)."""
+    ``tuning``: launch overrides of the fused plan (``FusedPlanTuning`` fields; default: none)."""
     if clear:
         assert_selection_clear(problem, margin=1e-4)
     assert fused.fused_plan_usable(problem)
     want = build_plan(problem)
-    got = fused.fused_plan(problem) if tuning is None else fused._fused_plan(problem, tuning)
+    with config.tuning(fused.FusedPlanTuning(**(tuning or {}))):
+        got = fused.fused_plan(problem)
     B, H, n = problem.B, problem.H, problem.n
     assert got.kv_indices.shape == (B, H, n, n) and got.kv_indices.dtype == torch.int32
     assert torch.equal(got.kv_num_blocks, want.kv_num_blocks)
@@ -191,12 +201,15 @@ def test_not_used_with_autograd_or_off_the_interpreter(monkeypatch):
     assert not fused.fused_plan_usable(validate(qg, k, v, topk_ratio=0.3))
     q48 = torch.randn(1, 200, 1, 48)
     assert not fused.fused_plan_usable(validate(q48, q48, q48, topk_ratio=0.3))
-    # past MAX_FUSED_BLOCKS key blocks the torch plan takes over (expanded views: no memory)
-    long = torch.zeros(1, 1, 1, 16).expand(1, 64 * fused.MAX_FUSED_BLOCKS + 1, 1, 16)
-    assert validate(long, long, long, topk_ratio=0.3).n == fused.MAX_FUSED_BLOCKS + 1
+    # past max_fused_blocks key blocks the torch plan takes over (expanded views: no memory)
+    most = fused.FusedPlanTuning().max_fused_blocks
+    long = torch.zeros(1, 1, 1, 16).expand(1, 64 * most + 1, 1, 16)
+    assert validate(long, long, long, topk_ratio=0.3).n == most + 1
     with solattn.memory_budget(1 << 40, backend="sdpa"):     # the indices' size is not what is tested
         assert not fused.fused_plan_usable(validate(long, long, long, topk_ratio=0.3))
         assert fused.fused_plan_usable(validate(long[:, :-1], long[:, :-1], long[:, :-1], topk_ratio=0.3))
+        with config.tuning(fused.FusedPlanTuning(max_fused_blocks=most - 1)):     # a scoped limit
+            assert not fused.fused_plan_usable(validate(long[:, :-1], long[:, :-1], long[:, :-1], topk_ratio=0.3))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     problem = validate(q, k, v, topk_ratio=0.3)
     assert not fused.fused_plan_usable(problem)
@@ -206,7 +219,6 @@ def test_not_used_with_autograd_or_off_the_interpreter(monkeypatch):
 def test_dot_precision_follows_the_device(monkeypatch):
     # exact fp32 products where TF32 tensor cores are missing (and in the interpreter), the split
     # tf32x3 products on compute capability 8.0+; an explicit setting wins
-    monkeypatch.setattr(fused, "DOT_PRECISION", None)
     assert fused.dot_precision(torch.device("cpu")) == "ieee"
     cuda = torch.device("cuda", 0)
     for cap, want in (((7, 5), "ieee"), ((8, 0), "tf32x3"), ((9, 0), "tf32x3")):
@@ -215,8 +227,9 @@ def test_dot_precision_follows_the_device(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")      # ROCm: AMD GPUs are "cuda" devices too
     assert fused.dot_precision(cuda) == "ieee"
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(fused, "DOT_PRECISION", "ieee")
-    assert fused.dot_precision(cuda) == "ieee"
+    with config.tuning(fused.FusedPlanTuning(dot_precision="ieee")):
+        assert fused.dot_precision(cuda) == "ieee"
+    assert fused.dot_precision(cuda) == "tf32x3"
 
 
 @pytest.mark.parametrize("mode", ["topk", "tau"])
@@ -300,7 +313,7 @@ def test_vsa_plan_matches_torch_plan(mode, segments, gate):
         build_vsa_plan(problem, n_video + 1, P, mode, fused=True)
 
 
-def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, vsa_plan_marks):
+def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, vsa_plan_marks, tma_everywhere):
     grid, segments = (4, 8, 8), (70,)
     T = sum(segments) + 4 * 8 * 8
     q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, seed=5)
@@ -322,7 +335,6 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, vsa_plan_mark
         return tma_calls[-1]
 
     monkeypatch.setattr(tb, "_tma_ok", tma_spy)
-    monkeypatch.setattr(tb, "TMA_MIN_PROGRAMS", 0)         # descriptors at this small size too
     for mode in ("exempt", "compete"):
         kw = dict(sparsity=0.75, gate=gate, prefix_len=list(segments), prefix_mode=mode)
         got = solattn.video_sparse_attn(q, k, v, grid, backend="triton", **kw)
@@ -344,12 +356,11 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, vsa_plan_mark
     assert vsa_plan_marks == [True, True], vsa_plan_marks
 
 
-def test_tma_with_block_len_only_where_dead_rows_are_zeros(monkeypatch):
+def test_tma_with_block_len_only_where_dead_rows_are_zeros(tma_everywhere):
     """A caller's block_len promises nothing about its dead rows (they may hold NaN): the triton
     backend keeps pointer loads there; VSA's tiled problems (dead_rows_zero) take TMA loads."""
     import dataclasses
     from solattn.backends.triton import backend as tb
-    monkeypatch.setattr(tb, "TMA_MIN_PROGRAMS", 0)         # descriptors at this small size too
     q, k, v = make_qkv(1, 256, 1, 64, dtype=torch.bfloat16, seed=8)
     block_len = torch.tensor([64, 40, 64, 10], dtype=torch.int32)
     k, v = k.clone(), v.clone()

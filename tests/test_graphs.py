@@ -124,6 +124,22 @@ def test_each_key_component_makes_a_new_key():
     assert len(cache) == 8 and cache.stats.evictions == len(variants) - 8   # max_graphs=8
 
 
+def test_the_tuning_in_force_is_part_of_the_key():
+    """A call under other launch settings (solattn.config.tuning) captures its own graph: the
+    graph of the default settings replays only where they are in force."""
+    from solattn.backends.triton import TritonTuning
+    from solattn.config import tuning
+    a = torch.ones(3)
+    cache = FakeCache(capture_after=1)
+    cache.run(Counted(a), (a,), "k")
+    with tuning(TritonTuning(tma_min_programs=0)):
+        cache.run(Counted(a), (a,), "k")
+        cache.run(Counted(a), (a,), "k")
+    cache.run(Counted(a), (a,), "k")
+    s = cache.stats
+    assert (s.captures, s.replays, len(cache)) == (2, 2, 2)
+
+
 def test_lru_eviction_drops_the_least_recently_used_graph():
     xs = [torch.full((2,), float(i)) for i in range(3)]
     fns = [Counted(x) for x in xs]
@@ -489,17 +505,20 @@ def test_recording_is_true_exactly_while_a_graph_is_warmed_up_and_captured():
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_small_problems_take_tma_loads_only_when_recorded(monkeypatch):
     # the config the launcher picks (run_kernel intercepted: nothing runs): pointer loads below
-    # TMA_MIN_PROGRAMS eagerly, TMA loads inside a graph's warm-up and capture, unless turned off
+    # tma_min_programs eagerly, TMA loads inside a graph's warm-up and capture, unless turned off
     from solattn.backends.triton import backend as tb
+    from solattn.config import tuning
     from solattn.validation import validate
     picked = []
-    monkeypatch.setattr(tb, "run_kernel", lambda kernel, problem, plan, cfg, *a, **k: picked.append(cfg.tma))
+    monkeypatch.setattr(tb, "run_kernel", lambda problem, plan, cfg, *a, **k: picked.append(cfg.tma))
     q = torch.randn(1, 300, 2, 64)
     problem = validate(q, q, q, topk_ratio=0.3)
-    assert problem.B * problem.H * problem.n < tb.TMA_MIN_PROGRAMS
+    assert problem.B * problem.H * problem.n < tb.TritonTuning().tma_min_programs
     tb.launch(problem, None)
     with _Suspended(recording=True):
         tb.launch(problem, None)
-        monkeypatch.setattr(tb, "TMA_IN_GRAPHS", False)
+        with tuning(tb.TritonTuning(tma_in_graphs=False)):
+            tb.launch(problem, None)
+    with tuning(tb.TritonTuning(tma_min_programs=0)):
         tb.launch(problem, None)
-    assert picked == [False, True, False]
+    assert picked == [False, True, False, True]

@@ -17,7 +17,7 @@ from typing import Optional
 from ..validation import Problem
 from .plan import (BYTES_PER_SCORE, Plan, Selector, assemble_plan, check_plan, coarse_rows, indices_from_mask,
                    plan_chunks, tail_rows)
-from .select import (TOPK_METHODS, default_topk_method, force_blocks_, forced_blocks, kth_largest,
+from .select import (TOPK_METHODS, default_topk_method, force_blocks_, kth_largest,
                      select_exact, sink_mask, sol_attn_selector, topk_count)
 from .stats import BlockStats, block_means, block_stats, live_lengths, live_token_mask
 from .vsa import PREFIX_MODES, build_vsa_plan, select_vsa, vsa_selector, vsa_topk_from_sparsity
@@ -41,7 +41,7 @@ def build_plan(problem: Problem, topk_method: Optional[str] = None, fused: bool 
 
 
 __all__ = ["BYTES_PER_SCORE", "BlockStats", "PREFIX_MODES", "Plan", "Selector", "TOPK_METHODS",
-           "assemble_plan", "block_means", "check_plan", "block_stats", "build_plan", "build_vsa_plan", "coarse_rows",
-           "default_topk_method", "force_blocks_", "forced_blocks", "indices_from_mask", "kth_largest",
+           "assemble_plan", "block_means", "block_stats", "build_plan", "build_vsa_plan", "check_plan", "coarse_rows",
+           "default_topk_method", "force_blocks_", "indices_from_mask", "kth_largest",
            "live_lengths", "live_token_mask", "plan_chunks", "select_exact", "select_vsa", "sink_mask",
            "sol_attn_selector", "tail_rows", "topk_count", "vsa_selector", "vsa_topk_from_sparsity"]

@@ -44,13 +44,15 @@ when a fused plan is built.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
 from ..budget import current_budget
+from ..config import Tuning, current_tuning
 from ..kernels import interpret_on, interpreting, triton_installed
-from ..validation import BLOCK, Problem
+from ..validation import BLOCK, Problem, fail
 from .plan import Plan
 from .select import topk_count
 
@@ -66,30 +68,96 @@ _SELECT_TILE_ELEMS = 4096
 #: (1 or 2 warps) and 0.10-0.11 ms with one row in 2 warps (commit 134c0ec)
 _KTH_KEYS_PER_THREAD = 32
 
-#: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums). None: "tf32x3" (three
-#: TF32 tensor-core passes with the operands split in high and low parts, about fp32 accuracy) on
-#: NVIDIA GPUs with TF32 (compute capability 8.0 and up), else "ieee" (fp32 FMA, exact products). On an
-#: H200 at H3 the fused plan took 0.85 ms with tf32x3 and 2.7-3.1 ms with IEEE products, and both
-#: selections matched the torch plan's (0-3 and 0-1 rows of 32648 differ; plain "tf32": 561).
-DOT_PRECISION = None
+#: ``tl.dot`` precisions of the fp32 products (:attr:`FusedPlanTuning.dot_precision`)
+DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
+
+#: :class:`FusedPlanTuning`'s launch overrides (None: the launch chooses; see :func:`_fused_plan`)
+_LAUNCH_FIELDS = ("means_warps", "centroid_bd", "block_i", "bj", "rb", "select_warps", "select_stages",
+                  "kth_rb", "kth_warps", "scores_tile", "scores_warps", "scores_bk", "scores_stages",
+                  "pool_bi", "pool_bj", "pool_warps", "pool_stages")
+
+
+@dataclass(frozen=True)
+class FusedPlanTuning(Tuning):
+    """The fused plan's settings in force (:func:`solattn.config.tuning`).
+
+    - ``dot_precision``: ``tl.dot`` precision of the fp32 products (scores, tail and coarse sums).
+      None: "tf32x3" (three TF32 tensor-core passes with the operands split in high and low parts,
+      about fp32 accuracy) on NVIDIA GPUs with TF32 (compute capability 8.0 and up), else "ieee"
+      (fp32 FMA, exact products). On an H200 at H3 the fused plan took 0.85 ms with tf32x3 and
+      2.7-3.1 ms with IEEE products, and both selections matched the torch plan's (0-3 and 0-1 rows
+      of 32648 differ; plain "tf32": 561).
+    - ``max_fused_blocks``: largest n (key blocks) the fused plan takes (8192: T = 524288 tokens);
+      beyond it the torch plan chunks the work. The select kernel's bisection holds whole rows of
+      n scores (padded to a power of two) in tiles of ``_SELECT_TILE_ELEMS`` scores, fewer rows as
+      n grows, and at least one whole row: past 4096 blocks one row of up to 8192 scores. Run on an
+      H200 up to n = 583 (H3, 1024-wide rows).
+    - launch overrides, None for the measured choice: ``means_warps``, ``centroid_bd`` (head dims
+      per centroid program), ``block_i`` (query-block rows per select program), ``bj`` (key blocks
+      per column chunk), ``rb`` (rows per bisection tile), ``select_warps``, ``select_stages``,
+      ``kth_rb``, ``kth_warps`` (rows per program and warps of the top-k bisection),
+      ``scores_tile``, ``scores_warps``, ``scores_bk`` (head dims per step of the scores GEMM),
+      ``scores_stages``, ``scores_here`` (the select kernel computes the scores instead of the
+      scores kernel), and for the pooled-terms kernel ``pool_bi`` (query-block rows per program),
+      ``pool_bj`` (key blocks per chunk), ``pool_warps``, ``pool_stages`` and ``pool_dot``
+      (``tl.dot`` precision of the tail and coarse sums alone).
+    """
+
+    dot_precision: Optional[str] = None
+    max_fused_blocks: int = 8192
+    means_warps: Optional[int] = None
+    centroid_bd: Optional[int] = None
+    block_i: Optional[int] = None
+    bj: Optional[int] = None
+    rb: Optional[int] = None
+    select_warps: Optional[int] = None
+    select_stages: Optional[int] = None
+    kth_rb: Optional[int] = None
+    kth_warps: Optional[int] = None
+    scores_tile: Optional[int] = None
+    scores_warps: Optional[int] = None
+    scores_bk: Optional[int] = None
+    scores_stages: Optional[int] = None
+    scores_here: Optional[bool] = None
+    pool_bi: Optional[int] = None
+    pool_bj: Optional[int] = None
+    pool_warps: Optional[int] = None
+    pool_stages: Optional[int] = None
+    pool_dot: Optional[str] = None
+
+    def __post_init__(self):
+        for name in ("dot_precision", "pool_dot"):
+            value = getattr(self, name)
+            if value is not None and value not in DOT_PRECISIONS:
+                fail("FusedPlanTuning", name, repr(value), f"None or one of {DOT_PRECISIONS}")
+        for name in ("max_fused_blocks",) + _LAUNCH_FIELDS:
+            value = getattr(self, name)
+            if value is None and name != "max_fused_blocks":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                fail("FusedPlanTuning", name, f"{value!r} of type {type(value).__name__}",
+                     "None or an int >= 1", TypeError)
+            if value < 1:
+                fail("FusedPlanTuning", name, repr(value), "None or an int >= 1")
+        if self.scores_here is not None and not isinstance(self.scores_here, bool):
+            fail("FusedPlanTuning", "scores_here", repr(self.scores_here), "None, True or False", TypeError)
+
+    def overrides(self) -> dict:
+        """The launch overrides that are set, by name."""
+        names = _LAUNCH_FIELDS + ("scores_here", "pool_dot")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 def dot_precision(device: torch.device) -> str:
-    """The ``tl.dot`` precision the fused plan uses on ``device`` (see :data:`DOT_PRECISION`)."""
-    if DOT_PRECISION is not None:
-        return DOT_PRECISION
+    """The ``tl.dot`` precision the fused plan uses on ``device`` (see
+    :attr:`FusedPlanTuning.dot_precision`)."""
+    chosen = current_tuning(FusedPlanTuning).dot_precision
+    if chosen is not None:
+        return chosen
     # ROCm builds report AMD GPUs as "cuda" too; Triton's AMD backend has no tf32x3
     if device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 8:
         return "tf32x3"
     return "ieee"
-
-
-#: largest n (key blocks) the fused plan takes (T = 524288 tokens); beyond it the torch plan
-#: chunks the work. The select kernel's bisection holds whole rows of n scores (padded to a power
-#: of two) in tiles of ``_SELECT_TILE_ELEMS`` scores, fewer rows as n grows, and at least one
-#: whole row: past 4096 blocks one row of up to 8192 scores.
-#: Run on an H200 up to n = 583 (H3, 1024-wide rows).
-MAX_FUSED_BLOCKS = 8192
 
 
 def fused_plan_bytes(problem: Problem) -> int:
@@ -103,7 +171,7 @@ def fused_plan_usable(problem: Problem) -> bool:
     """Whether :func:`fused_plan` can build ``problem``'s plan: a CUDA device (or the CPU under
     ``TRITON_INTERPRET=1``, for tests), Triton importable, no autograd graph to record (the
     tail and coarse terms are differentiable on the torch path only), a power-of-two head dim
-    in 16..256, at most :data:`MAX_FUSED_BLOCKS` blocks, the width-n ``kv_indices`` (plus
+    in 16..256, at most :attr:`FusedPlanTuning.max_fused_blocks` blocks, the width-n ``kv_indices`` (plus
     the top-k scratch) within the ``sdpa`` memory budget.
 
     On an H200 the fused plan is the faster one at every size measured (bf16, D=128): at the seed
@@ -118,7 +186,7 @@ def fused_plan_usable(problem: Problem) -> bool:
     D = problem.D
     if D < 16 or D > 256 or D & (D - 1):
         return False
-    return problem.n <= MAX_FUSED_BLOCKS and fused_plan_bytes(problem) <= current_budget("sdpa")
+    return problem.n <= current_tuning(FusedPlanTuning).max_fused_blocks and fused_plan_bytes(problem) <= current_budget("sdpa")
 
 
 def _pow2(x: int) -> int:
@@ -173,22 +241,14 @@ def fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
 
 
 def _stages(tuning: dict, key: str) -> dict:
-    """The launch's ``num_stages`` when a benchmark's ``tuning`` sets ``key``, else Triton's default."""
+    """The launch's ``num_stages`` when ``tuning`` sets ``key``, else Triton's default."""
     return {"num_stages": tuning[key]} if key in tuning else {}
 
 
-def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[Rule] = None) -> Plan:
-    """``rule``: the selection (default :func:`sol_attn_rule`). ``tuning`` (benchmarks only):
-    launch parameters replacing the chosen ones, keys ``means_warps``, ``centroid_bd`` (head dims
-    per centroid program), ``block_i``, ``bj`` (key blocks per column chunk), ``rb`` (rows per
-    bisection tile), ``select_warps``, ``select_stages``,
-    ``kth_rb``, ``kth_warps`` (rows per program and warps of the top-k bisection),
-    ``scores_tile``, ``scores_warps``, ``scores_bk`` (head dims per step of the scores GEMM),
-    ``scores_stages``, ``scores_here`` (the select kernel computes the scores
-    instead of the scores kernel), and for the pooled-terms kernel ``pool_bi`` (query-block rows
-    per program), ``pool_bj`` (key blocks per chunk), ``pool_warps``, ``pool_stages`` and
-    ``pool_dot`` (``tl.dot`` precision of the tail and coarse sums alone, e.g. "tf32")."""
-    tuning = tuning or {}
+def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
+    """``rule``: the selection (default :func:`sol_attn_rule`); launch parameters: the measured
+    choices below, or the overrides of the :class:`FusedPlanTuning` in force."""
+    tuning = current_tuning(FusedPlanTuning).overrides()
     from ..kernels.runtime import compiled  # imports Triton
     from . import fused_kernels as fk
 
@@ -253,7 +313,7 @@ def _fused_plan(problem: Problem, tuning: Optional[dict] = None, rule: Optional[
     # key tiles looped over in one program, 045cf55), over 32 head dims per step (0.120 against
     # 0.130-0.131 ms in one step of 128; 16 or 64 per step, 2-4 stages, 128 x 128 tiles: no
     # better, commit 04dc0ec). With IEEE products (FMA, no tensor cores:
-    # ROCm, or DOT_PRECISION = "ieee") that GEMM took 5.3 ms at H3 against 2.3-2.5 ms for the
+    # ROCm, or dot_precision="ieee") that GEMM took 5.3 ms at H3 against 2.3-2.5 ms for the
     # select kernel computing the scores itself in 32-row tiles, so there the select kernel
     # writes them (SCORES_HERE).
     scores_here = bool(tuning.get("scores_here", ieee))

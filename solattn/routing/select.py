@@ -97,11 +97,6 @@ class _ForcedRows:
         return self.table
 
 
-def forced_blocks(problem: Problem, n: int, device) -> torch.Tensor:
-    """``(n, n)`` bool: the forced blocks of every query block (for inspection and tests)."""
-    return force_blocks_(torch.zeros(1, n, n, dtype=torch.bool, device=device), problem, 0)[0]
-
-
 def sol_attn_selector(problem: Problem, stats: BlockStats, topk_method: Optional[str] = None) -> Selector:
     """The chunk rule of ``sol_attn``'s selection (SPEC.md, "Which key blocks are exact")."""
     B, H, n, D = stats.qm.shape

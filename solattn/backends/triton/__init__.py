@@ -3,6 +3,7 @@
 Importing this package does not import Triton; the kernel is compiled on first use.
 """
 
-from .backend import DEFAULT_CONFIGS, KernelConfig, TritonBackend, launch
+from .backend import TritonBackend, launch
+from .tuning import DEFAULT_CONFIGS, BackwardConfig, KernelConfig, TritonTuning
 
-__all__ = ["TritonBackend", "KernelConfig", "DEFAULT_CONFIGS", "launch"]
+__all__ = ["TritonBackend", "TritonTuning", "KernelConfig", "BackwardConfig", "DEFAULT_CONFIGS", "launch"]

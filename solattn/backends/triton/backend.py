@@ -9,81 +9,21 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from ... import graphs
+from ...config import current_tuning
 from ...kernels import interpret_on, interpreting
 from ...kernels import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend, BackwardBuffers, Gradients
+from .tuning import DEFAULT_CONFIGS, KernelConfig, TritonTuning  # noqa: F401 (DEFAULT_CONFIGS: re-exported)
 
 #: environment variable that opts in to running the kernel on Intel XPUs
 XPU_OPT_IN = "SOLATTN_TRITON_XPU"
-
-
-#: allowed values per KernelConfig field: what the shipped kernel was built and measured with
-#: on the H200 (benchmarks/notes_triton.md); other values are untested or measured slower
-KERNEL_CONFIG_CHOICES = {
-    "kv_per_iter": (1,),
-    "num_warps": (4, 8),
-    "num_stages": (2, 3, 4),
-    "tma": (False, True),
-}
-_CHOICE_WHY = {
-    "kv_per_iter": "the kernel consumes one 64-key block per loop step",
-    "num_warps": "warps per 64-row query block",
-    "num_stages": "software-pipeline depth of the key loop",
-    "tma": "load K/V through (B, T, H, D) TMA descriptors where the inputs allow it",
-}
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of the kernel; every field is checked on construction.
-
-    - ``kv_per_iter``: 64-key blocks per loop step (only 1 ships; 2 lost on an H200: to register
-      pressure with pointer loads, to one program per SM instead of two with TMA loads).
-    - ``num_warps``: warps per program (4 or 8; 4 is the fast one for 64-row tiles).
-    - ``num_stages``: pipeline depth of the key loop (2, 3 or 4).
-    - ``tma``: load key/value blocks through ``(B, T, H, D)`` TMA tensor descriptors where the
-      inputs allow it (sm_90+, last dim contiguous, 16-byte aligned strides, no block_len);
-      elsewhere, and with ``False``, pointer loads.
-    """
-
-    kv_per_iter: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    tma: bool = False
-
-    def __post_init__(self):
-        for field, allowed in KERNEL_CONFIG_CHOICES.items():
-            value = getattr(self, field)
-            if not isinstance(value, int) or (isinstance(value, bool) and field != "tma"):
-                wanted = "a bool" if field == "tma" else "an int"
-                raise TypeError(f"KernelConfig: argument '{field}' received {value!r} of type "
-                                f"{type(value).__name__}; allowed: {wanted}, one of {allowed}")
-            if value not in allowed:
-                raise ValueError(f"KernelConfig: argument '{field}' received {value!r}; allowed: "
-                                 f"{', '.join(map(str, allowed))} ({_CHOICE_WHY[field]})")
-        object.__setattr__(self, "tma", bool(self.tma))
-
-
-#: chosen from the H200 sweeps (benchmarks/notes_triton.md): one key block per step, 4 warps,
-#: 3 stages, K/V through (B, T, H, D) TMA descriptors (1.46x faster than pointer loads at H3)
-DEFAULT_CONFIGS = {d: KernelConfig(1, 4, 3, tma=True) for d in (16, 32, 64, 128)}
-
-#: below this many programs (B * H * n) the default config uses pointer loads: a host-side
-#: TMA descriptor costs a fixed ~0.1 ms per launch, more than small problems take (H200 T sweep;
-#: at 2048 programs, B=2 T=4056 H=16, pointer loads were faster end to end: 0.467 against
-#: 0.477 ms at top-k 10 %, 0.523 against 0.752 ms at tau 1 with tail)
-TMA_MIN_PROGRAMS = 4096
-
-#: a call captured into a CUDA graph (``solattn.graphs``) uses TMA loads at every size: their
-#: descriptors' host cost is paid once, at capture, and none per replay
-TMA_IN_GRAPHS = True
 
 
 def _install_hint(device_type: str, platform: str) -> str:
@@ -170,8 +110,9 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
            resid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run the kernel on ``problem`` with the selection in ``plan``; returns ``(B, T, H, D)`` contiguous.
 
-    ``config`` defaults to ``DEFAULT_CONFIGS`` for the head dim (pointer loads below
-    ``TMA_MIN_PROGRAMS`` programs, unless a CUDA graph is being recorded: ``TMA_IN_GRAPHS``).
+    ``config`` defaults to the :class:`~.tuning.TritonTuning` in force (:func:`solattn.config.tuning`):
+    its ``forward`` config, else ``DEFAULT_CONFIGS`` for the head dim with pointer loads below
+    ``tma_min_programs`` programs, unless a CUDA graph is being recorded and ``tma_in_graphs``.
     ``out``, when given, must be a contiguous ``(B, T, H, D)`` tensor of v's dtype on q's device;
     the kernel writes every element of it (tests poison it first).
     ``lse`` and ``resid``, given together, receive what the fused backward needs: ``lse`` a
@@ -185,11 +126,9 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
                         f"allowed: None or a KernelConfig")
     cfg = config
     if cfg is None:
-        cfg = DEFAULT_CONFIGS.get(problem.D, KernelConfig())
-        if problem.B * problem.H * problem.n < TMA_MIN_PROGRAMS and not (TMA_IN_GRAPHS and graphs.recording()):
-            cfg = replace(cfg, tma=False)
-    from . import kernel  # imports triton
-    return run_kernel(kernel.sol_attn_fwd, problem, plan, cfg, out, lse=lse, resid=resid)
+        cfg = current_tuning(TritonTuning).forward_config(problem.B * problem.H * problem.n, graphs.recording(),
+                                                          problem.D)
+    return run_kernel(problem, plan, cfg, out, lse=lse, resid=resid)
 
 
 def _check_buffer(name: str, t: Optional[torch.Tensor], shape, dtype: torch.dtype, device: torch.device):
@@ -198,13 +137,9 @@ def _check_buffer(name: str, t: Optional[torch.Tensor], shape, dtype: torch.dtyp
                          f"device {t.device}; allowed: a contiguous {tuple(shape)} tensor of {dtype} on {device}")
 
 
-def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
-               out: Optional[torch.Tensor] = None, constexprs: Optional[dict] = None,
+def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Tensor] = None,
                lse: Optional[torch.Tensor] = None, resid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Launch ``jit_kernel``, a ``JITFunction`` with the production kernel's signature, on
-    ``problem`` and ``plan``. :func:`launch` runs the production kernel through it; benchmark
-    experiments (``benchmarks/kernel_variants.py``) run their variants through it too, with the
-    variant's own extra ``constexprs`` (name -> value) appended to the launch."""
+    """Launch the forward kernel with ``cfg`` on ``problem`` and ``plan`` (see :func:`launch`)."""
     from ...kernels.runtime import compiled  # imports triton
     from . import kernel
 
@@ -227,7 +162,7 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
         k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D])
                         for t in (ops.k, ops.v))
     grid = (n, B * H)
-    compiled(ops.interpret, jit_kernel)[grid](
+    compiled(ops.interpret, kernel.sol_attn_fwd)[grid](
         q, k_arg, v_arg, out, ops.gate,
         ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
         ops.key_bias, ops.key_mean if lse is None else lse, out if resid is None else resid,
@@ -240,7 +175,7 @@ def run_kernel(jit_kernel, problem: Problem, plan, cfg: KernelConfig,
         # the softmax may scale raw logits in its FMA only where nothing is added to them and a
         # positive scale keeps their order (the spec allows any finite scale)
         FOLD_SCALE=not ops.has_bias and problem.scale > 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(constexprs or {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"WRITE_LSE": True} if lse is not None else {}),
         **({"TMA_LEN": True} if use_tma and problem.block_len is not None else {}),
     )

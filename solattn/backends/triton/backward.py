@@ -36,9 +36,11 @@ from typing import Optional, Tuple
 import torch
 import triton.language as tl
 
+from ...config import current_tuning
 from ...kernels.runtime import compiled, gpu_jit
 from ...validation import BLOCK, Problem
 from .kernel import LOG2E, block_logits, key_block, query_block
+from .tuning import BackwardConfig, TritonTuning
 
 
 def lse_shape(B: int, T: int, H: int) -> Tuple[int, int, int]:
@@ -215,44 +217,6 @@ def sol_attn_bwd_dkdv(
         tl.store(DBias + plan_row * BLOCK + rows, dbias)
 
 
-DELTA_SOURCES = ("saved", "recompute")
-
-
-@dataclass(frozen=True)
-class BackwardConfig:
-    """Launch parameters of the two backward kernels (warps, pipeline stages)."""
-
-    dq_warps: int = 4
-    dq_stages: int = 2
-    dkdv_warps: int = 4
-    dkdv_stages: int = 2
-    #: where delta_t = dO_t . O_t comes from: ``"saved"``, the forward's output plus its saved
-    #: rounding residual (O to about 2^-16); ``"recompute"``, summed in fp32 inside the dq loop
-    #: from the backward's own probabilities (one more 64 x 64 x D product per key block pair;
-    #: H200 at H3 top-k 10 %: 44.2 ms of kernels against 34.2 ms)
-    delta: str = "saved"
-
-    def __post_init__(self):
-        for field in ("dq_warps", "dkdv_warps"):
-            if getattr(self, field) not in (2, 4, 8):
-                raise ValueError(f"BackwardConfig: argument '{field}' received {getattr(self, field)!r}; "
-                                 f"allowed: 2, 4 or 8")
-        for field in ("dq_stages", "dkdv_stages"):
-            if getattr(self, field) not in (1, 2, 3, 4, 5):
-                raise ValueError(f"BackwardConfig: argument '{field}' received {getattr(self, field)!r}; "
-                                 f"allowed: 1 to 5")
-        if self.delta not in DELTA_SOURCES:
-            raise ValueError(f"BackwardConfig: argument 'delta' received {self.delta!r}; "
-                             f"allowed: {', '.join(map(repr, DELTA_SOURCES))}")
-
-
-DEFAULT_BACKWARD = BackwardConfig()
-
-#: per head dim; measured on an H200 at H3 (top-k 10 %, kernels only): 4 warps and 2 stages in
-#: both kernels took 44.6 ms, 8 warps 70.2 ms (every warp/stage pairing was timed; 4/2 won)
-DEFAULT_BACKWARD_CONFIGS = {128: BackwardConfig(dq_warps=4, dq_stages=2, dkdv_warps=4, dkdv_stages=2)}
-
-
 @dataclass
 class FusedGrads:
     """What :func:`fused_backward` returns. Token-level gradients in the inputs' dtypes (``dgate``
@@ -277,9 +241,10 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
     """Gradients of one triton forward: ``out`` its ``(B, T, H, D)`` contiguous output, ``lse`` and
     ``resid`` what it wrote for the backward (:func:`solattn.backends.triton.backend.launch`),
     ``grad_out`` the output's gradient (any strides). ``plan`` is the forward's plan (the same
-    selection). Runs under ``torch.no_grad``."""
+    selection). ``config``: default the ``backward`` of the :class:`~.tuning.TritonTuning` in force.
+    Runs under ``torch.no_grad``."""
     from .backend import kernel_operands
-    cfg = config or DEFAULT_BACKWARD_CONFIGS.get(problem.D, DEFAULT_BACKWARD)
+    cfg = config or current_tuning(TritonTuning).backward
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
     dev, f32 = problem.device, torch.float32
     with torch.no_grad():
