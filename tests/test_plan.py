@@ -99,3 +99,34 @@ def test_a_plan_for_another_call_is_refused():
             routing.check_plan("sol_attn", other, plan)
     with pytest.raises(TypeError, match=r"argument 'plan' received Tensor; allowed: None or a solattn Plan"):
         routing.check_plan("sol_attn", problem, plan.kv_indices)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled flex_attention)")
+def test_compiled_flex_attention_with_the_block_mask_on_cuda():
+    """The full/partial split of ``to_block_mask()`` is what a compiled flex kernel reads (the
+    mask_mod runs in partial blocks only): it must give ``sol_attn``'s exact branch too."""
+    from torch.nn.attention.flex_attention import flex_attention
+    q, k, v = make_qkv(2, 1000, 4, 64, dtype=torch.bfloat16, device="cuda", seed=5)
+    bl = torch.full((16,), 64, dtype=torch.int32, device="cuda")
+    bl[3], bl[9] = 20, 1
+    problem = validate(q, k, v, topk_ratio=0.3, tail=False, block_len=bl)
+    plan = routing.build_plan(problem)
+    want = solattn.sol_attn(q, k, v, topk_ratio=0.3, tail=False, block_len=bl, backend="reference")
+    flex = torch.compile(flex_attention, dynamic=False)
+    got = flex(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=plan.to_block_mask(),
+               scale=problem.scale).transpose(1, 2)
+    live = routing.live_token_mask(plan.block_len).reshape(-1)[:1000]
+    assert rel_l2(got[:, live].float(), want[:, live].float()) < 1e-2
+
+
+def test_query_lists_of_an_n_wide_plan_need_no_host_sync():
+    """The fused plan's lists are n wide so that no count reaches the host; its transposed lists
+    are n wide too, with the same entries as the compact ones."""
+    import dataclasses
+    _, plan = _plan(topk_ratio=0.4)
+    n = plan.n
+    wide = dataclasses.replace(plan, kv_indices=torch.nn.functional.pad(plan.kv_indices, (0, n - plan.kv_indices.shape[-1])))
+    q_num, q_idx = wide.query_lists()
+    c_num, c_idx = plan.query_lists()
+    assert q_idx.shape[-1] == n and torch.equal(q_num, c_num)
+    assert torch.equal(q_idx[..., :c_idx.shape[-1]], c_idx) and not q_idx[..., c_idx.shape[-1]:].any()

@@ -119,11 +119,14 @@ class Plan:
     def query_lists(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """The selection transposed, for a backward pass that walks key blocks: for each key block
         j, the query blocks i whose list holds j, as ``(q_num_blocks (B, H, n), q_indices
-        (B, H, n, Mq))`` int32, ascending, 0-padded, contiguous (:func:`indices_from_mask`: one
-        host sync, on the first call only; later calls return the same tensors)."""
+        (B, H, n, Mq))`` int32, ascending, 0-padded, contiguous. Built on the first call only;
+        later calls return the same tensors. ``Mq`` is n when ``kv_indices`` is n wide (the fused
+        plan: no host sync anywhere), else the largest count (:func:`indices_from_mask`: one sync)."""
         lists = self._derived.get("query_lists")
         if lists is None:
-            lists = self._derived["query_lists"] = indices_from_mask(self.dense_mask().transpose(-1, -2))
+            width = self.n if self.kv_indices.shape[-1] == self.n else None
+            counts, idx = _indices_from_mask(self.dense_mask().transpose(-1, -2), width=width)
+            lists = self._derived["query_lists"] = (counts, idx.contiguous())
         return lists
 
     def to_block_mask(self):
