@@ -22,6 +22,7 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (  # noqa: E40
     MiniMaxH3PrepareLayoutStep, MiniMaxH3SetTimestepsStep)
 
 from solattn.integrations import diffusers as fasth3  # noqa: E402
+from solattn.testing import device_types  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, LAYERS = 64, 2, 128, 2
 TEXT, LATENT_FRAMES, LATENT_HW, AUDIO_LATENTS = 40, 4, 32, 20
@@ -325,3 +326,25 @@ def test_tiny_example_runs():
     assert "after disable, equal to the dense model: True" in res.stdout
     difference = float(res.stdout.split("relative difference to the dense model: ")[1].split()[0])
     assert 1e-3 < difference < 1.0
+
+
+ACCELERATORS = [d for d in device_types() if d != "cpu"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ACCELERATORS, reason="no cuda, xpu or mps device here")
+@pytest.mark.parametrize("device", ACCELERATORS)
+def test_on_an_accelerator_equals_the_cpu(device):
+    """The same FastH3 model on an accelerator (whatever solattn's dispatch picks there) and on the
+    CPU, in fp32: one code path for every device."""
+    cpu = tiny_model()
+    fasth3.enable_fasth3(cpu, tiny_gates())
+    model = tiny_model().to(device)
+    fasth3.enable_fasth3(model, tiny_gates())
+    assert model.transformer_blocks[0].attn.to_gate_compress.weight.device.type == device
+    with torch.no_grad():
+        inputs = {k: v.to(device, torch.float32 if v.dtype == torch.float64 else v.dtype)   # mps has no fp64
+                  if isinstance(v, torch.Tensor) else v for k, v in tiny_inputs().items()}
+        got = model(**inputs)[0]
+        want = cpu(**tiny_inputs())[0]
+    assert rel(got.cpu(), want) < 1e-3          # TF32 / kernel accumulation order, selection identical
