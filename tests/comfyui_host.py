@@ -238,6 +238,41 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def inspect_node_folder(nodes):
+    """What ComfyUI reads of the node folder besides its code: the registry entry (pyproject.toml,
+    through ComfyUI's own parser) and each example workflow checked against the node definitions
+    of this ComfyUI: every node type exists, every link joins an output and an input of its type."""
+    from comfy_config import config_parser
+    conf = config_parser.extract_node_configuration(NODE_FOLDER)
+    result = {"project": {"name": conf.project.name, "version": conf.project.version,
+                          "license": conf.project.license.text, "description": conf.project.description},
+              "comfy": {"publisher_id": conf.tool_comfy.publisher_id, "display_name": conf.tool_comfy.display_name},
+              "workflows": {}}
+    folder = os.path.join(NODE_FOLDER, "example_workflows")
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as f:
+            workflow = json.load(f)
+        problems, by_id = [], {n["id"]: n for n in workflow["nodes"]}
+        for n in workflow["nodes"]:
+            if n["type"] not in nodes.NODE_CLASS_MAPPINGS:
+                problems.append(f"node {n['id']}: no node type {n['type']!r} in this ComfyUI")
+        for lid, a, a_slot, b, b_slot, kind in workflow["links"]:
+            src, dst = by_id[a], by_id[b]
+            if src["type"] not in nodes.NODE_CLASS_MAPPINGS or dst["type"] not in nodes.NODE_CLASS_MAPPINGS:
+                continue
+            outputs = nodes.NODE_CLASS_MAPPINGS[src["type"]].RETURN_TYPES
+            spec = nodes.NODE_CLASS_MAPPINGS[dst["type"]].INPUT_TYPES()
+            inputs = {**spec.get("required", {}), **spec.get("optional", {})}
+            want = inputs.get(dst["inputs"][b_slot]["name"], ("?",))[0]
+            if a_slot >= len(outputs) or outputs[a_slot] != kind or want != kind:
+                problems.append(f"link {lid}: {src['type']} output {a_slot} "
+                                f"({outputs[a_slot] if a_slot < len(outputs) else None}) -> {dst['type']} input "
+                                f"{dst['inputs'][b_slot]['name']!r} ({want}); the link says {kind}")
+        result["workflows"][name] = {"node_types": sorted({n["type"] for n in workflow["nodes"]}),
+                                     "problems": problems}
+    return result
+
+
 def main(config_path):
     with open(config_path) as f:
         cfg = json.load(f)
@@ -247,6 +282,8 @@ def main(config_path):
     logging.getLogger().setLevel(logging.INFO)
     nodes, execution = start_comfyui(cfg["comfyui"], base)
     load_node_folders(nodes, base, [NODE_FOLDER, TEST_NODES] + cfg.get("extra_node_folders", []))
+    if cfg.get("inspect"):
+        return inspect_node_folder(nodes), lines, cfg
 
     ckpt = "fasth3_tiny.safetensors"
     write_checkpoint(os.path.join(base, "models", "diffusion_models", ckpt), **cfg.get("checkpoint", {}))
@@ -276,6 +313,8 @@ def main(config_path):
         result["latent_shapes"] = [list(t.shape) for t in tensors]
         result["latent_finite"] = all(bool(torch.isfinite(t).all()) for t in tensors)
         result["latent_norm"] = [float(t.double().norm()) for t in tensors]
+    counted = nodes.NODE_CLASS_MAPPINGS.get("SolAttnTestPreferredAttention")
+    result["preferred_attention_calls"] = getattr(counted, "calls", None)
     if capture is not None:
         want = cfg["capture"]
         compared = []

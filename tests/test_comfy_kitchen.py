@@ -1,4 +1,4 @@
-"""The comfy-kitchen plug-in against the real comfy-kitchen package (0.2.40).
+"""The comfy-kitchen plug-in against the real comfy-kitchen package (0.2.40 in CI; 0.2.36 passes too).
 
 comfy-kitchen's ``sol_attn`` accepts head_dim 128 only (its shared call rule applies to
 every backend), so every call here uses D = 128.

@@ -231,7 +231,10 @@ def test_generic_fallbacks_are_dense(comfy, caplog, case):
     torch.testing.assert_close(out, patcher.apply_model(x, context, sigma=sigma), rtol=0, atol=0)
     text = {"schedule": "outside the start/end window", "min_tokens": "320 tokens < min_tokens 321",
             "dense_blocks": "is in dense_blocks"}[case]
-    assert len(node_lines(caplog, text)) == 1
+    # one line per reason; dense_blocks "0-1": one per listed block
+    assert [r.getMessage().split(": ", 1)[1] for r in node_lines(caplog, text)] == (
+        [f"dense: block {i} is in dense_blocks" for i in (0, 1)] if case == "dense_blocks" else
+        [r.getMessage().split(": ", 1)[1] for r in node_lines(caplog, text)][:1])
     assert not node_lines(caplog, "sol-attn on")
 
 
@@ -241,7 +244,7 @@ def test_dense_blocks_without_block_index_is_reported(comfy, caplog):
     the layout / block_index were published) cannot honour dense_blocks: one line says so."""
     attention = importlib.import_module("comfy.ldm.modules.attention")
     state = node.SparseAttention(node.Settings(min_tokens=0, dense_blocks=frozenset({0, 1})))
-    override = state.make_override(None)
+    override = node.make_override(state, None)
     torch.manual_seed(0)
     q, k, v = (3 * torch.randn(1, 2, 256, 64) for _ in range(3))
     caplog.set_level(logging.INFO, logger=LOGGER)
@@ -302,13 +305,17 @@ def test_override_stays_on_top(comfy):
 
 # ---------------------------------------------------------------------------------------------
 # node surface and argument checks
-def test_node_class_surface():
-    spec = node.SolAttnModelSparseAttention.INPUT_TYPES()
-    assert spec["required"]["method"][0] == ["sol-attn", "sla", "vsa"]
+def test_classic_node_surface():
+    """Without ComfyUI's node API v3 the classic node is registered, with the built-in node's value
+    names as flat inputs and auto first (the default)."""
+    assert node.SolAttnModelSparseAttention is node.ClassicNode      # no comfy_api here
+    spec = node.ClassicNode.INPUT_TYPES()
+    assert spec["required"]["method"][0] == ["auto", "sol-attn", "sla", "vsa"]
+    assert spec["required"]["method"][1]["default"] == "auto"
     assert node.NODE_DISPLAY_NAME_MAPPINGS[node.NODE_ID] == "Model Sparse Attention (solattn)"
     assert set(spec["required"]) | set(spec["optional"]) == {
         "model", "method", "tau", "keep_percent", "start_percent", "end_percent", "dense_blocks",
-        "min_tokens", "sink_conditioning", "vsa_prefix"}
+        "min_tokens", "extra_tokens", "sink_conditioning", "vsa_prefix", "verbose"}
 
 
 def test_parse_block_list():
@@ -412,3 +419,22 @@ def test_h3_vsa_keeps_an_earlier_block_patch(comfy, caplog):
     assert seen == [True], "the earlier patch runs once, handed vsa's attention"
     torch.testing.assert_close(out, 2.0 * plain, rtol=0, atol=0)
     assert len(node_lines(caplog, "vsa wraps 1 block patch")) == 1
+
+
+def test_cross_attention_and_grouped_keys_are_each_reported(comfy, caplog):
+    """A cross-attention call and a grouped-key call stay dense for different reasons: both are logged."""
+    attention = importlib.import_module("comfy.ldm.modules.attention")
+    override = node.make_override(node.SparseAttention(node.Settings(min_tokens=0)), None)
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 128, 64)
+    kv = torch.randn(1, 2, 77, 64)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with torch.no_grad():
+        cross = override(attention.attention_pytorch, q, kv, kv, 2, skip_reshape=True, transformer_options={})
+        grouped = override(attention.attention_pytorch, q, q[:, :1], q[:, :1], 2, skip_reshape=True,
+                           enable_gqa=True, transformer_options={})
+    assert cross.shape == grouped.shape == (1, 128, 128)
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 2
+    assert "dense: cross-attention (q (1, 2, 128, 64), k (1, 2, 77, 64)" in lines[0]
+    assert "dense: grouped keys (q (1, 2, 128, 64), k (1, 1, 128, 64): enable_gqa)" in lines[1]

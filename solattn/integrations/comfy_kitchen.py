@@ -1,6 +1,7 @@
 """comfy-kitchen plug-in: ``comfy_kitchen.sol_attn`` on Intel GPUs, CPUs and Macs through solattn.
 
-How comfy-kitchen picks an implementation (release 0.2.40): ``comfy_kitchen.sol_attn``
+How comfy-kitchen picks an implementation (releases 0.2.36 to 0.2.40, whose ``sol_attn``,
+registry and constraint code are the same): ``comfy_kitchen.sol_attn``
 calls its custom op ``comfy_kitchen::sol_attn``; inside the op, the registry walks its
 priority list and returns the first backend that is registered, not disabled, lists
 ``sol_attn`` among its capabilities and whose ``FunctionConstraints`` accept the call
@@ -146,7 +147,7 @@ def _import_comfy_kitchen():
         raise ImportError(
             "solattn's comfy-kitchen plug-in needs the comfy-kitchen package, which cannot be "
             f"imported here ({exc}). Install it with `pip install comfy-kitchen` "
-            "(tested with 0.2.40; in a solattn checkout, `pip install -e \".[comfy]\"` does the same).") from exc
+            "(tested with 0.2.36 and 0.2.40; in a solattn checkout, `pip install -e \".[comfy]\"` does the same).") from exc
     missing = [name for name in _REGISTRY_TABLES if not hasattr(registry, name)]
     missing += [name for name in ("FunctionConstraints", "ParamConstraint", "ExactDims", "ValidationResult",
                                   "sol_attn_common_call_rule") if not hasattr(ck_constraints, name)]
@@ -155,8 +156,8 @@ def _import_comfy_kitchen():
     if missing:
         raise RuntimeError(
             f"comfy-kitchen {_comfy_kitchen_version()} lacks what solattn's plug-in relies on "
-            f"({', '.join(missing)}); the plug-in is tested with comfy-kitchen 0.2.40 "
-            "(`pip install comfy-kitchen==0.2.40`).")
+            f"({', '.join(missing)}); the plug-in is tested with comfy-kitchen 0.2.36 and 0.2.40 "
+            "(`pip install \"comfy-kitchen>=0.2.36\"`).")
     return registry, ck_constraints
 
 

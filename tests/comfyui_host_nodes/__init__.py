@@ -43,7 +43,35 @@ class SolAttnTestSaveLatent:
         return ()
 
 
+class SolAttnTestPreferredAttention:
+    """Gives every MiniMax-H3 DiT block an attention choice of its own, as a checkpoint's attention
+    configuration does (``attn.comfy_attention.function``, which ComfyUI passes to the attention
+    call as ``preferred_attention=``): ComfyUI's SDPA attention, counting its calls in ``calls``."""
+
+    CATEGORY = "testing"
+    FUNCTION = "patch"
+    RETURN_TYPES = ("MODEL",)
+    calls = 0
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    def patch(self, model):
+        from comfy.ldm.modules import attention
+
+        def counted(q, k, v, heads, **kwargs):
+            SolAttnTestPreferredAttention.calls += 1
+            return attention.attention_pytorch(q, k, v, heads, **kwargs)
+
+        function = attention.wrap_attn(counted)
+        for block in model.get_model_object("diffusion_model").blocks:
+            block.attn.comfy_attention.function = function
+        return (model,)
+
+
 NODE_CLASS_MAPPINGS = {
+    "SolAttnTestPreferredAttention": SolAttnTestPreferredAttention,
     "SolAttnTestZeroConditioning": SolAttnTestZeroConditioning,
     "SolAttnTestSaveLatent": SolAttnTestSaveLatent,
 }
