@@ -37,9 +37,12 @@ def run_host(tmp_path, **cfg):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"comfyui": COMFYUI, "base": str(base), "result": str(result), **cfg}))
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    stubs = os.path.join(os.path.dirname(os.path.abspath(COMFYUI)), "comfyui-stubs")
+    # torchvision / torchaudio stand-ins for the ComfyUI process only: SOLATTN_COMFYUI_STUBS, else
+    # a comfyui-stubs folder beside the ComfyUI tree
+    stubs = os.environ.get("SOLATTN_COMFYUI_STUBS") or os.path.join(os.path.dirname(os.path.abspath(COMFYUI)),
+                                                                    "comfyui-stubs")
     if os.path.isdir(stubs) and stubs not in paths:
-        paths.append(stubs)          # torchvision / torchaudio stand-ins that sit beside the fixture
+        paths.append(stubs)
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.join(paths + [ROOT])}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "comfyui_host.py"), str(config)],
                           env=env, capture_output=True, text=True, timeout=900)
