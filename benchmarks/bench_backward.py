@@ -14,15 +14,14 @@ table and writes it to ``--out``. Needs a CUDA GPU with Triton; about 3 minutes 
 FLOP model (multiply-adds x 2): dense forward ``4 B H T^2 D``, backward ``2.5x`` that (flash's
 five T x T x D products against two); solattn counts the same per kept (query, key) pair
 (``kept`` = the plan's kept fraction), so "useful TFLOP/s" compares like with like. The fused
-kernels do more than that model: dq recomputes QK^T and dO V^T (3 products with dS K; 4 with
-``delta="recompute"``), dk/dv recomputes both (4 products): 7 against flash's 5.
+kernels do more than that model: dq recomputes QK^T and dO V^T (3 products with dS K), dk/dv
+recomputes both (4 products): 7 against flash's 5.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import solattn  # noqa: E402
 from solattn.backends.triton.backend import launch  # noqa: E402
 from solattn.backends.triton.backward import fused_backward, lse_shape  # noqa: E402
-from solattn.backends.triton.tuning import DELTA_SOURCES, BackwardConfig  # noqa: E402
+from solattn.backends.triton.tuning import BackwardConfig  # noqa: E402
 from solattn.bench.report import publish  # noqa: E402
 from solattn.bench.timing import log, reset_clock, time_calls  # noqa: E402
 from solattn.routing import build_plan  # noqa: E402
@@ -140,12 +139,6 @@ def run_case(name, shape, kw, with_gate, dev, repeats):
         torch.cuda.empty_cache()
     if ref_leaves is not None:
         row["grad err"] = ", ".join(f"{n} {rel_l2(a, b.grad):.1e}" for n, a, b in zip(names, fused, ref_leaves))
-    if ref_leaves is not None and not kw.get("tail", True) and not with_gate:   # token-level = whole gradient
-        default = BackwardConfig()
-        for mode in DELTA_SOURCES:
-            g = fused_backward(problem, plan, out, lse, resid, w, config=replace(default, delta=mode))
-            row[f"grad err, delta {mode}"] = ", ".join(
-                f"{n} {rel_l2(a, b.grad):.1e}" for n, a, b in zip(names, (g.dq, g.dk, g.dv), ref_leaves))
     del ref_leaves
 
     flop_fwd_dense = 4.0 * B * H * T * T * D
@@ -168,7 +161,6 @@ def sweep(state, dev, repeats):
                     c = BackwardConfig(dqw, dqs, kvw, kvs)
                     if c != default:
                         configs.append(c)
-    configs += [replace(default, delta=d) for d in DELTA_SOURCES if d != default.delta]
     rows = []
     for c in configs:
         try:
@@ -236,22 +228,16 @@ def main():
             x = r[c]
             cells.append(f"{x:.3f}" if c == "kept" else f"{x:.2f}" if isinstance(x, float) else str(x))
         lines.append("| " + " | ".join(cells) + " |")
-    modes = [(r["case"], d, r[f"grad err, delta {d}"]) for r in rows for d in DELTA_SOURCES
-             if f"grad err, delta {d}" in r]
-    if modes:
-        lines += ["", "Token-level gradient error (q, k, v; relative L2 against the sdpa backward) by the "
-                  "source of delta (cases without tail or gate):", "", "| case | delta | grad err |", "|---|---|---|"]
-        lines += [f"| {case} | {d} | {e} |" for case, d, e in modes]
     lines += ["", "sol fwd+bwd: `sol_attn(..., backend='triton')` forward (plan + kernel, LSE written) and the "
               "fused backward (plan rebuilt + kernels + block-level autograd); grad err: relative L2 against "
               "`backend='sdpa'` (its backward recomputes through sdpa); dense bf16 grad err: dense SDPA's bf16 "
               "gradients against fp32 SDPA's on the same inputs (the level a bf16 backward reaches)."]
     if not args.no_sweep and not args.smoke and first is not None:
         lines += ["", f"## Backward launch configs ({rows[0]['case']}, kernels only; first row: the default)", "",
-                  "| dq warps | dq stages | dk/dv warps | dk/dv stages | delta | ms | note |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| dq warps | dq stages | dk/dv warps | dk/dv stages | ms | note |",
+                  "|---|---|---|---|---|---|"]
         for c, ms, note in sweep(first, dev, args.repeats):
-            lines.append(f"| {c.dq_warps} | {c.dq_stages} | {c.dkdv_warps} | {c.dkdv_stages} | {c.delta} | "
+            lines.append(f"| {c.dq_warps} | {c.dq_stages} | {c.dkdv_warps} | {c.dkdv_stages} | "
                          f"{'' if ms is None else f'{ms:.2f}'} | {note} |")
     publish(lines, args.out)
     log(f"wrote {args.out}")

@@ -76,7 +76,7 @@ def test_a_scope_binds_only_its_own_thread_and_task():
     (lambda: TritonTuning(forward=(4, 3)), TypeError, r"'forward' received tuple"),
     (lambda: TritonTuning(backward=None), TypeError, r"'backward' received NoneType"),
     (lambda: BackwardConfig(dq_warps=3), ValueError, r"'dq_warps' received 3; allowed: 2, 4, 8"),
-    (lambda: BackwardConfig(delta="maybe"), ValueError, r"'delta' received 'maybe'"),
+    (lambda: BackwardConfig(dkdv_stages=0), ValueError, r"'dkdv_stages' received 0; allowed: 1, 2, 3, 4, 5"),
     (lambda: FusedPlanTuning(dot_precision="tf16"), ValueError, r"'dot_precision' received 'tf16'"),
     (lambda: FusedPlanTuning(block_i=0), ValueError, r"'block_i' received 0; allowed: None or an int >= 1"),
     (lambda: FusedPlanTuning(rb=2.0), TypeError, r"'rb' received 2.0 of type float"),

@@ -64,7 +64,6 @@ def sol_attn_bwd_dq(
     qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr,
-    RECOMPUTE_DELTA: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -94,14 +93,11 @@ def sol_attn_bwd_dq(
     if HAS_COARSE:
         o = o - (gate * coarse[None, :]).to(Out.dtype.element_ty).to(tl.float32)
     o += tl.load(Resid + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
-    delta0 = tl.sum(o * do32, 1)
+    delta = tl.sum(o * do32, 1)
     lse = tl.load(Lse + plan_row * BLOCK + rows)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)            # no finite term: every p is 0
 
     dq = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
-    if RECOMPUTE_DELTA:
-        pdp = tl.zeros([BLOCK], dtype=tl.float32)                      # sum_u p_u dp_u
-        pk = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)             # sum_u p_u (k_u - m)
     key_mean = tl.load(KeyMean + bh.to(tl.int64) * HEAD_DIM + dims)
     count = tl.load(KvNum + plan_row)
     idx_row = KvIdx + plan_row * max_blocks
@@ -117,11 +113,8 @@ def sol_attn_bwd_dq(
         # sum_u ds_u k_u + ds_tail m = sum_u ds_u (k_u - m). Uncentred, a large common key offset
         # would make both terms large and the bf16-rounded ds would leave their difference noisy.
         k_c = (k.to(tl.float32) - key_mean[None, :]).to(k.dtype)
-        ds = p * (dp - delta0[:, None])
+        ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k_c)
-        if RECOMPUTE_DELTA:
-            pdp += tl.sum(p * dp, 1)
-            pk += tl.dot(p.to(k.dtype), k_c)
 
     if HAS_TAIL:
         q32 = q.to(tl.float32)
@@ -131,15 +124,6 @@ def sol_attn_bwd_dq(
         p_tail = tl.math.exp2(shift + tail_lse * 1.4426950408889634 - lse)   # 0 for an empty tail
         p_tail = tl.where(q_live, p_tail, 0.0)
         dp_tail = tl.sum(do32 * tail_value[None, :], 1)
-        if RECOMPUTE_DELTA:
-            pdp += p_tail * dp_tail
-    if RECOMPUTE_DELTA:
-        # delta = dO . O = sum over every term of p dp with this kernel's own p, in fp32; dq was
-        # summed with delta0, and the difference is small: correct it once
-        delta = pdp
-        dq = dq - (delta - delta0)[:, None] * pk
-    else:
-        delta = delta0
     tl.store(Delta + plan_row * BLOCK + rows, delta)
     dq = dq * scale
     if HAS_TAIL:
@@ -281,7 +265,7 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *gate.stride(),
             ops.bias_stride_b, T, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse,
-            RECOMPUTE_DELTA=cfg.delta == "recompute", num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )
         kernel_dkdv[grid](
             q, k, v, dout, dk, dv, dbias, lse, delta,

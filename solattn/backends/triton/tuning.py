@@ -63,34 +63,25 @@ class KernelConfig:
 #: (1.46x faster than pointer loads at H3)
 DEFAULT_CONFIGS = {d: KernelConfig(4, 3, tma=True) for d in (16, 32, 64, 128)}
 
-#: where delta_t = dO_t . O_t comes from in the backward, see :class:`BackwardConfig`
-DELTA_SOURCES = ("saved", "recompute")
-
-
 @dataclass(frozen=True)
 class BackwardConfig:
     """Launch parameters of the two backward kernels (warps, pipeline stages). The defaults were
     measured on an H200 at H3 (top-k 10 %, kernels only): 4 warps and 2 stages in both kernels
-    took 44.6 ms, 8 warps 70.2 ms (every warp/stage pairing was timed; 4/2 won)."""
+    took 44.6 ms, 8 warps 70.2 ms (every warp/stage pairing was timed; 4/2 won). The dq kernel
+    takes delta_t = dO_t . O_t from the forward's output plus its saved rounding residual (O to
+    about 2^-16); summing it inside the dq loop instead cost one more 64 x 64 x D product per key
+    block pair (H200 at H3 top-k 10 %: 44.2 ms of kernels against 34.2 ms)."""
 
     dq_warps: int = 4
     dq_stages: int = 2
     dkdv_warps: int = 4
     dkdv_stages: int = 2
-    #: where delta_t = dO_t . O_t comes from: ``"saved"``, the forward's output plus its saved
-    #: rounding residual (O to about 2^-16); ``"recompute"``, summed in fp32 inside the dq loop
-    #: from the backward's own probabilities (one more 64 x 64 x D product per key block pair;
-    #: H200 at H3 top-k 10 %: 44.2 ms of kernels against 34.2 ms)
-    delta: str = "saved"
 
     def __post_init__(self):
         for name in ("dq_warps", "dkdv_warps"):
             _check_choice("BackwardConfig", name, getattr(self, name), (2, 4, 8))
         for name in ("dq_stages", "dkdv_stages"):
             _check_choice("BackwardConfig", name, getattr(self, name), (1, 2, 3, 4, 5))
-        if self.delta not in DELTA_SOURCES:
-            raise ValueError(f"BackwardConfig: argument 'delta' received {self.delta!r}; "
-                             f"allowed: {', '.join(map(repr, DELTA_SOURCES))}")
 
 
 @dataclass(frozen=True)
