@@ -1,24 +1,23 @@
-"""Sequence-parallel sol_attn (solattn.distributed) against one device.
+"""Sequence-parallel sol_attn (solattn.distributed) against one device, with the exchange's
+bandwidth alone and the overlap of the pipelined exchange.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --out results/bench_distributed.md
+    torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --out benchmarks/results/h200x2/bench_distributed.md
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_distributed.py --device cpu --tiny --out /tmp/d.md
 
 For each sequence length (default: the H3 shape B=1, T=37296, H=56, D=128 bf16 and twice its
-length, T=74592), top-k 10%, tail on, backend chosen automatically, forward pass:
+length), top-k 10 %, tail on, backend chosen automatically:
 
-1. every rank draws the same whole q, k, v (seeded) and keeps its shard (``shard_lengths``);
-   rank 0 gathers the shards back and runs ``solattn.sol_attn`` on one device: median time,
-   peak memory above its inputs;
-2. ``solattn.distributed.sol_attn`` on the shards: its output shards gathered on rank 0 are
-   compared with the one-device output (relative L2); median time (slowest rank) and peak memory
-   per device above the shards;
-3. the exchange alone with the same tensors: the all-to-all that brings q, k, v in (whole
-   sequence, H/P heads) and the one that takes an output-sized tensor back, timed separately;
-   and ``solattn.sol_attn`` alone on the H/P-head slice (the attention each rank runs).
+1. one device (rank 0, on the gathered shards): forward, and forward + backward (``--backward``);
+2. the parts, each alone, on every rank: the attention each rank runs (``solattn.sol_attn`` on
+   the whole sequence with H/P heads: A), and a bare ``all_to_all_single`` of the bytes the
+   exchange moves (q, k, v in: C_in; the output back: C_out), from which the per-rank
+   bandwidth; C = C_in + C_out (the backward moves the same bytes the other way);
+3. ``solattn.distributed.sol_attn`` for each ``--groups`` value (1 = one exchange each way, no
+   overlap): its time (slowest rank), the speed-up over one device, and how much of the
+   smaller of A and C it hid: ``hidden = (A + C - E) / min(A, C)`` (1 = the ideal
+   ``E = max(A, C)``, 0 = no overlap), its output against one device (relative L2).
 
-Bytes per rank: each all-to-all sends (P-1)/P of the rank's shard of each tensor it carries.
-Writes a markdown table to --out (and prints it). On CUDA the whole run takes well under
-3 minutes on 2 H200s (mostly Triton's first compilation).
+Writes a markdown table to --out (and prints it).
 """
 
 from __future__ import annotations
@@ -37,19 +36,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
-from solattn.distributed.exchange import exchange_in, heads_to_seq  # noqa: E402
-from solattn.bench.report import source_revision  # noqa: E402
 from solattn import dispatch  # noqa: E402
+from solattn.bench.report import source_revision  # noqa: E402
 from solattn.testing import block_structured_qkv, rel_l2  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
 
-
 def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    elif dev.type == "xpu":
-        torch.xpu.synchronize(dev)
+    if dev.type in ("cuda", "xpu"):
+        getattr(torch, dev.type).synchronize(dev)
 
 
 def median_ms(fn, dev, reps, warmup, barrier=False):
@@ -70,30 +65,19 @@ def median_ms(fn, dev, reps, warmup, barrier=False):
     return statistics.median(times)
 
 
-def peak_extra_gib(fn, dev):
-    """Peak device memory allocated during one call above what was allocated before (GiB);
-    None where the device has no allocator statistics (CPU)."""
-    if dev.type != "cuda":
-        fn()
-        return None
-    sync(dev)
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    out = fn()
-    sync(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - base
-    del out
-    return peak / 2**30
-
-
 def reduce_max(x: float, dev) -> float:
     t = torch.tensor([x], dtype=torch.float64, device=dev if dev.type != "cpu" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
-def fmt(x, spec=".1f"):
-    return "n/a" if x is None else format(x, spec)
+def fwd_bwd(fn, leaves):
+    def run():
+        out = fn(*leaves)
+        out.backward(torch.ones_like(out))
+        for x in leaves:
+            x.grad = None
+    return run
 
 
 def run_length(T, args, dev, rank, world):
@@ -104,7 +88,7 @@ def run_length(T, args, dev, rank, world):
     whole = block_structured_qkv(B, T, H, D, dtype, dev, seed=T, spread=2.0, normalise=True)
     shards = [x[:, sl].clone() for x in whole]
     del whole
-    row = dict(T=T, lens=lens)
+    row = dict(T=T, lens=lens, bwd=args.backward)
 
     # 1. one device, on the gathered shards
     gathered = [sd.gather(x) for x in shards]
@@ -112,43 +96,57 @@ def run_length(T, args, dev, rank, world):
     if rank == 0:
         row["backend"] = dispatch.choose(validate(*gathered, **kw)).name
         row["single_ms"] = median_ms(lambda: solattn.sol_attn(*gathered, **kw), dev, args.reps, args.warmup)
-        row["single_peak"] = peak_extra_gib(lambda: solattn.sol_attn(*gathered, **kw), dev)
-        row["single_inputs"] = 3 * gathered[0].numel() * gathered[0].element_size() / 2**30
+        if args.backward:
+            leaves = [x.clone().requires_grad_() for x in gathered]
+            row["single_fb_ms"] = median_ms(fwd_bwd(lambda *x: solattn.sol_attn(*x, **kw), leaves), dev,
+                                            args.reps, args.warmup)
         ref = solattn.sol_attn(*gathered, **kw)
     del gathered
     dist.barrier()
 
-    # 2. distributed: correctness, time, memory
-    def distributed():
-        return sd.sol_attn(*shards, **kw)
-
-    out = sd.gather(distributed())
-    if rank == 0:
-        a, b = out.double(), ref.double()
-        row["rel_l2"] = rel_l2(a, b)
-        row["max_abs"] = (a - b).abs().max().item()
-    del out, ref
-    row["dist_ms"] = reduce_max(median_ms(distributed, dev, args.reps, args.warmup, barrier=True), dev)
-    peak = peak_extra_gib(distributed, dev)
-    row["dist_peak"] = None if peak is None else reduce_max(peak, dev)
-    row["dist_inputs"] = 3 * shards[0].numel() * shards[0].element_size() / 2**30
-
-    # 3. the exchange alone, same tensors (and the H/P-head attention each rank runs)
-    heads = exchange_in(list(shards), lens, rank, world, None)
-    row["a2a_in_ms"] = reduce_max(median_ms(lambda: exchange_in(list(shards), lens, rank, world, None),
-                                            dev, args.reps, args.warmup, barrier=True), dev)
-    local_out = solattn.sol_attn(*heads, **kw)
-    row["a2a_out_ms"] = reduce_max(median_ms(lambda: heads_to_seq(local_out, lens, rank, world, None),
-                                             dev, args.reps, args.warmup, barrier=True), dev)
+    # 2. the parts alone: attention on H/P heads, bare all-to-alls of the exchanged bytes
+    hp = H // world
+    heads = [torch.randn(B, T, hp, D, device=dev).to(dtype) for _ in range(3)]
     row["attn_ms"] = reduce_max(median_ms(lambda: solattn.sol_attn(*heads, **kw), dev, args.reps,
                                           args.warmup, barrier=True), dev)
-    esize = shards[0].element_size()
-    row["bytes_in"] = 3 * B * max(lens) * H * D * esize * (world - 1) / world
-    row["bytes_out"] = B * max(lens) * H * D * esize * (world - 1) / world
-    del heads, local_out, shards
+    if args.backward:
+        leaves = [x.requires_grad_() for x in heads]
+        row["attn_fb_ms"] = reduce_max(median_ms(fwd_bwd(lambda *x: solattn.sol_attn(*x, **kw), leaves), dev,
+                                                 args.reps, args.warmup, barrier=True), dev)
+    del heads
+    per = max(lens) * B * hp * D      # elements per (rank, rank) block of one tensor
+    for name, m in (("in", 3), ("out", 1)):
+        send = torch.zeros(world * per * m, dtype=dtype, device=dev)
+        recv = torch.empty_like(send)
+        row[f"a2a_{name}_ms"] = reduce_max(median_ms(lambda: dist.all_to_all_single(recv, send), dev, args.reps,
+                                                     args.warmup, barrier=True), dev)
+        row[f"bytes_{name}"] = (world - 1) * per * m * send.element_size()
+        del send, recv
+
+    # 3. the distributed call, for each number of head groups
+    row["groups"] = {}
+    for G in args.groups:
+        def distributed():
+            return sd.sol_attn(*shards, **kw, head_groups=G)
+        r = {}
+        out = sd.gather(distributed())
+        if rank == 0:
+            r["rel_l2"] = rel_l2(out, ref)
+        del out
+        r["ms"] = reduce_max(median_ms(distributed, dev, args.reps, args.warmup, barrier=True), dev)
+        if args.backward:
+            leaves = [x.clone().requires_grad_() for x in shards]
+            r["fb_ms"] = reduce_max(median_ms(fwd_bwd(lambda *x: sd.sol_attn(*x, **kw, head_groups=G), leaves),
+                                              dev, args.reps, args.warmup, barrier=True), dev)
+        row["groups"][G] = r
+    del ref, shards
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def hidden(a, c, e):
+    return (a + c - e) / min(a, c)
 
 
 def table(rows, args, world, dev):
@@ -156,28 +154,46 @@ def table(rows, args, world, dev):
     lines = [
         f"# solattn.distributed.sol_attn vs one device ({world} x {dname})",
         "",
-        f"source {source_revision()}, torch {torch.__version__}, "
-        f"{dist.get_backend()} backend, B=1, H={args.heads}, D={args.head_dim}, "
-        f"{str(args.dtype).replace('torch.', '')}, top-k {args.topk:g}, tail on, forward, "
-        f"median of {args.reps} (after {args.warmup} warm-up); distributed times are the slowest rank's.",
+        f"source {source_revision()}, torch {torch.__version__}, {dist.get_backend()} backend, B=1, "
+        f"H={args.heads}, D={args.head_dim}, {str(args.dtype).replace('torch.', '')}, top-k {args.topk:g}, "
+        f"tail on; median of {args.reps} (after {args.warmup} warm-up); distributed times are the "
+        "slowest rank's.",
         "",
-        "| T | shards | backend | 1 device ms | P devices ms | speed-up | all-to-all in ms | all-to-all out ms "
-        "| attention H/P heads ms | MiB sent per rank (in + out) | GB/s per rank | "
-        "peak GiB 1 device (inputs + extra) | peak GiB per device (shards + extra) | rel. L2 vs 1 device |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "## The parts alone",
+        "",
+        "A: `sol_attn` on the whole sequence with H/P heads (what each rank attends). C_in, C_out: a bare "
+        "`all_to_all_single` of the bytes the exchange moves in (q, k, v) and out (the output); GB/s: "
+        "bytes each rank sends to the others / time.",
+        "",
+        "| T | shards | backend | 1 device ms | A ms | C_in ms | C_out ms | MiB sent per rank (in + out) "
+        "| GB/s per rank (in / out) | max(A, C) ms | A + C ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        comm_ms = r["a2a_in_ms"] + r["a2a_out_ms"]
-        sent = r["bytes_in"] + r["bytes_out"]
-        peak1 = "n/a" if r["single_peak"] is None else f"{r['single_inputs']:.2f} + {r['single_peak']:.2f}"
-        peakp = "n/a" if r["dist_peak"] is None else f"{r['dist_inputs']:.2f} + {r['dist_peak']:.2f}"
+        c = r["a2a_in_ms"] + r["a2a_out_ms"]
         lines.append(
             f"| {r['T']} | {'/'.join(map(str, r['lens']))} | {r['backend']} | {r['single_ms']:.2f} "
-            f"| {r['dist_ms']:.2f} | {r['single_ms'] / r['dist_ms']:.2f}x | {r['a2a_in_ms']:.2f} "
-            f"| {r['a2a_out_ms']:.2f} | {r['attn_ms']:.2f} | {sent / 2**20:.1f} "
-            f"| {sent / (comm_ms * 1e-3) / 1e9:.1f} | {peak1} | {peakp} | {r['rel_l2']:.1e} |")
-    lines += ["", "Memory columns: what the inputs (q, k, v) occupy plus the peak allocated above them "
-              "during one call (output, exchange buffers, attention workspace)."]
+            f"| {r['attn_ms']:.2f} | {r['a2a_in_ms']:.2f} | {r['a2a_out_ms']:.2f} "
+            f"| {(r['bytes_in'] + r['bytes_out']) / 2**20:.1f} "
+            f"| {r['bytes_in'] / r['a2a_in_ms'] / 1e6:.1f} / {r['bytes_out'] / r['a2a_out_ms'] / 1e6:.1f} "
+            f"| {max(r['attn_ms'], c):.2f} | {r['attn_ms'] + c:.2f} |")
+    lines += ["", "## End to end, by head groups", "",
+              "E: `solattn.distributed.sol_attn(..., head_groups=G)`; G = 1 exchanges once each way (no "
+              "overlap). hidden = (A + C - E) / min(A, C): the share of the smaller term the overlap "
+              "hid (1 = E reaches max(A, C)). Forward + backward: the same with A, C of both passes "
+              "(the backward moves the same bytes, C doubles).", "",
+              "| T | G | E forward ms | speed-up | hidden | E fwd+bwd ms | 1 device fwd+bwd ms | speed-up "
+              "| hidden | rel. L2 vs 1 device |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["a2a_in_ms"] + r["a2a_out_ms"]
+        for G, g in r["groups"].items():
+            fb = ["n/a"] * 4
+            if r["bwd"]:
+                fb = [f"{g['fb_ms']:.2f}", f"{r['single_fb_ms']:.2f}", f"{r['single_fb_ms'] / g['fb_ms']:.2f}x",
+                      f"{hidden(r['attn_fb_ms'], 2 * c, g['fb_ms']):.2f}"]
+            lines.append(f"| {r['T']} | {G} | {g['ms']:.2f} | {r['single_ms'] / g['ms']:.2f}x "
+                         f"| {hidden(r['attn_ms'], c, g['ms']):.2f} | {' | '.join(fb)} | {g['rel_l2']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -190,13 +206,16 @@ def main():
     p.add_argument("--heads", type=int, default=56)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--topk", type=float, default=0.1)
+    p.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4, 7, 14],
+                   help="head_groups values to time (1 = no overlap)")
+    p.add_argument("--no-backward", dest="backward", action="store_false", help="forward only")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
     args.dtype = torch.bfloat16
     if args.tiny:
         args.lengths, args.heads, args.head_dim, args.reps, args.warmup = [1000, 2000], 4, 32, 2, 1
-        args.dtype = torch.float32
+        args.groups, args.dtype = [1, 2], torch.float32
 
     rank, world, dev = sd.init_from_env(args.device, timeout=timedelta(minutes=5))
     if args.heads % world:

@@ -26,16 +26,18 @@ if __name__ == "__main__":  # worker: import this checkout's package
 
 import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
-from solattn.distributed.agree import check_local  # noqa: E402
+from solattn.distributed.exchange import head_groups  # noqa: E402
+from solattn.distributed.pipeline import DEFAULT_HEAD_GROUPS  # noqa: E402
 from solattn.testing import block_structured_qkv, rel_l2, tolerance  # noqa: E402
 
 WORLD = 2
 RUN_TIMEOUT_S = 240  # both processes, every case; a healthy run takes ~15 s on a busy 2-core machine
 
 # name -> case. kind: "sol" (solattn.sol_attn) or "vsa" (video_sparse_attn). lens: per-rank shard
-# lengths (default: shard_lengths); pass_lens: give them as shard_lens= instead of gathering.
+# lengths (default: shard_lengths); pass_lens: also give them as shard_lens=; head_groups: passed
+# on (default: the module's default).
 CASES = {
-    "topk": dict(kind="sol", B=1, T=300, H=4, D=16, kwargs=dict(topk_ratio=0.25, tail=True)),
+    "topk": dict(kind="sol", B=1, T=300, H=4, D=16, head_groups=1, kwargs=dict(topk_ratio=0.25, tail=True)),
     "tau_tail_ragged": dict(kind="sol", B=1, T=333, H=4, D=16, key_bias="float1d",
                             kwargs=dict(tau=0.5, tail=True)),
     "bf16_topk_no_tail": dict(kind="sol", B=1, T=256, H=2, D=32, dtype=torch.bfloat16,
@@ -63,8 +65,8 @@ CASES = {
                            kwargs=dict(topk_ratio=0.25)),
     "err_vsa_grid": dict(kind="vsa", B=1, T=127, H=2, D=16, kwargs=dict(grid=(3, 6, 6), prefix_len=37, topk=2)),
     # a float key_bias requiring grad: every rank must get the whole gradient
-    "grad_key_bias": dict(kind="sol", B=2, T=200, H=4, D=16, key_bias="float2d", grad=True,
-                          kwargs=dict(topk_ratio=0.3, tail=True)),
+    "grad_key_bias": dict(kind="sol", B=2, T=200, H=6, D=16, key_bias="float2d", grad=True, gate=True,
+                          head_groups=2, kwargs=dict(topk_ratio=0.3, tail=True)),
     # one rank's arguments refused or different from its peers' ("rank1": what rank 1 passes instead)
     "err_heads_one_rank": dict(kind="sol", B=1, T=128, H=2, D=16, rank1=dict(H=3), kwargs=dict(topk_ratio=0.25)),
     "err_tau_nan_one_rank": dict(kind="sol", B=1, T=128, H=2, D=16, rank1=dict(kwargs=dict(tau=float("nan"))),
@@ -145,8 +147,10 @@ def run_case(case, rank, counts):
     shards = [None if x is None else x[:, sl].clone().requires_grad_(bool(case.get("grad")))
               for x in (q, k, v, gate)]
     extra = {"shard_lens": case.get("shard_lens", lens)} if case.get("pass_lens") else {}
+    if case.get("head_groups"):
+        extra["head_groups"] = case["head_groups"]
     if case.get("bad_shard_lens"):
-        extra = {"shard_lens": case["bad_shard_lens"]}
+        extra["shard_lens"] = case["bad_shard_lens"]
     counts.clear()
     res = {}
     t0 = time.perf_counter()
@@ -192,22 +196,32 @@ def worker(rank, init_file, outdir):
 
 # ---------------------------------------------------------------------------------- the tests
 
-def _launch(script_args, timeout, cwd=ROOT):
+def _launch(script_args, timeout, cwd=ROOT, world=WORLD, check=True):
+    """Start ``world`` processes (``script_args(rank)``) and wait for all of them, at most
+    ``timeout`` seconds in all (then kill them and fail). Returns each one's (return code,
+    stdout, stderr); with ``check`` every one must exit with status 0."""
+    import time
+
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, *script_args(rank)], cwd=cwd, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(WORLD)]
+             for rank in range(world)]
+    deadline = time.monotonic() + timeout
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=timeout))
+            outs.append((p,) + p.communicate(timeout=max(0.1, deadline - time.monotonic())))
     except subprocess.TimeoutExpired:
-        for p in procs:
+        tails = []
+        for rank, p in enumerate(procs):
             p.kill()
-        raise AssertionError(f"distributed workers did not finish within {timeout} s")
-    for p, (o, e) in zip(procs, outs):
-        assert p.returncode == 0, f"worker failed (rc {p.returncode}):\n{o}\n{e}"
-    return outs
+            o, e = p.communicate()
+            tails.append(f"rank {rank} (rc {p.returncode}): {(o + e)[-1500:]}")
+        raise AssertionError(f"distributed workers did not finish within {timeout} s:\n" + "\n".join(tails)) from None
+    if check:
+        for p, o, e in outs:
+            assert p.returncode == 0, f"worker failed (rc {p.returncode}):\n{o}\n{e}"
+    return [(p.returncode, o, e) for p, o, e in outs]
 
 
 
@@ -220,23 +234,68 @@ def results():
                for name in CASES}
 
 
-def single(case, gate_rows=None):
-    """The one-device output and gradients (q, k, v, gate, key_bias) of a case; ``gate_rows``:
-    keep only these rows of the gate (the others zeroed)."""
+def group_slices(H, world, G):
+    """The head slices the distributed call attends separately with ``head_groups=G``: each
+    rank's head groups."""
+    hp = H // world
+    return [slice(j * hp + a, j * hp + b) for j in range(world) for a, b in head_groups(hp, G)]
+
+
+def single(case, gate_rows=None, slices=(slice(None),)):
+    """The one-device output and gradients (q, k, v, gate, key_bias) of a case: all heads in one
+    call, or each head slice of ``slices`` in a call of its own; ``gate_rows``: keep only these
+    rows of the gate (the others zeroed)."""
     q, k, v, gate, kb, block_len, w = case_inputs(case)
     if gate_rows is not None:
         kept = torch.zeros_like(gate)
         kept[:, gate_rows] = gate[:, gate_rows]
         gate = kept
-    if case.get("grad") and kb is not None and kb.dtype.is_floating_point:
+    grad = bool(case.get("grad"))
+    if grad and kb is not None and kb.dtype.is_floating_point:
         kb.requires_grad_(True)
-    leaves = [None if x is None else x.clone().requires_grad_(bool(case.get("grad"))) for x in (q, k, v, gate)]
-    out = call(solattn, case, *leaves, kb, block_len)
-    grads = None
-    if case.get("grad"):
-        (out.float() * w).sum().backward()
-        grads = [None if x is None else x.grad for x in leaves] + [None if kb is None else kb.grad]
-    return out.detach(), grads
+    out = None
+    grads = [None if x is None else torch.zeros_like(x) for x in (q, k, v, gate)]
+    for s in slices:
+        leaves = [None if x is None else x[:, :, s].clone().requires_grad_(grad) for x in (q, k, v, gate)]
+        y = call(solattn, case, *leaves, kb, block_len)
+        out = torch.empty(q.shape[:2] + v.shape[2:], dtype=y.dtype) if out is None else out
+        out[:, :, s] = y.detach()
+        if grad:
+            (y.float() * w[:, :, s]).sum().backward()
+            for gr, leaf in zip(grads, leaves):
+                if leaf is not None:
+                    gr[:, :, s] = leaf.grad
+    if not grad:
+        return out, None
+    return out, grads + [None if kb is None or not kb.requires_grad else kb.grad]
+
+
+def check_exact(case, per_rank, world, G):
+    """A distributed result (output and gradient shards of every rank, ``head_groups=G``) equals
+    one device: bit for bit the single-device function on the same head slices (the same
+    computation; the exchange only moves data), and within the dtype's tolerance the
+    single-device call on all heads at once (which may block the work differently). Gradients
+    are bit for bit when B = 1: with B > 1 the backward's reductions follow the memory layout of
+    the inputs (the exchange's buffer interleaves the batch), so they agree within rounding. The
+    key_bias gradient, summed over head groups and ranks, is compared on every rank."""
+    tol = tolerance(case.get("dtype", torch.float32))
+    want_all, grads_all = single(case)
+    want, want_grads = single(case, slices=group_slices(case["H"], world, G))
+    got = torch.cat([res["out"] for res in per_rank], dim=1)
+    assert got.shape == want_all.shape and got.dtype == want_all.dtype
+    assert torch.equal(got, want), f"head_groups={G}: not bit-identical to one device on the same heads"
+    assert rel_l2(got, want_all) < tol, f"head_groups={G}"
+    if not case.get("grad"):
+        return
+    for i, arg in enumerate(("q", "k", "v", "gate")):
+        if want_grads[i] is not None:
+            got_g = torch.cat([res["grads"][i] for res in per_rank], dim=1)
+            if case["B"] == 1:    # with B > 1 the backward's sums follow the inputs' memory layout
+                assert torch.equal(got_g, want_grads[i]), f"head_groups={G}: {arg} gradient"
+            assert rel_l2(got_g, grads_all[i]) < tol, f"head_groups={G}: {arg} gradient"
+    if want_grads[4] is not None and want_grads[4].dtype.is_floating_point:
+        for r, res in enumerate(per_rank):   # the whole key_bias gradient on every rank
+            assert rel_l2(res["key_bias_grad"], grads_all[4]) < 1e-5, f"head_groups={G}: key_bias, rank {r}"
 
 
 OK_CASES = [n for n in CASES if not n.startswith("err_")]
@@ -250,36 +309,14 @@ def test_matches_single_process(results, name):
         assert "error" not in res, f"rank {r}: {res['error']}"
         assert res["out"].shape[1] == case_lens(case)[r]            # sharded like q
         assert res["out"].is_contiguous()
-    want, want_grads = single(case)
-    got = torch.cat([res["out"] for res in per_rank], dim=1)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    tol = tolerance(case.get("dtype", torch.float32))
-    assert rel_l2(got, want) < tol
-    # one all-to-all in per dtype among q, k, v, gate, one out; the shard table is gathered
-    # unless given
-    # one all-gather (the argument agreement), one all-to-all in per dtype among q, k, v, gate,
-    # one out
+    groups = case.get("head_groups") or DEFAULT_HEAD_GROUPS
+    check_exact(case, per_rank, WORLD, groups)
+    # one all-gather (the argument agreement); per head group, one all-to-all in per dtype among
+    # q, k, v, gate and one out
     calls = per_rank[0]["collectives"]
-    assert calls.get("all_to_all_single") == (3 if "gate_dtype" in case else 2)
+    n_groups = len(head_groups(case["H"] // WORLD, groups))
+    assert calls.get("all_to_all_single") == n_groups * (3 if "gate_dtype" in case else 2)
     assert calls.get("all_gather", 0) == 1
-    if case.get("grad"):
-        for i, name_ in enumerate(("q", "k", "v", "gate")):
-            if want_grads[i] is None:
-                continue
-            got_g = torch.cat([res["grads"][i] for res in per_rank], dim=1)
-            assert rel_l2(got_g, want_grads[i]) < 1e-5, name_
-        if want_grads[4] is not None and want_grads[4].dtype.is_floating_point:
-            for r, res in enumerate(per_rank):      # the whole key_bias gradient on every rank
-                assert rel_l2(res["key_bias_grad"], want_grads[4]) < 1e-5, f"key_bias grad, rank {r}"
-
-
-def test_shard_lengths():
-    assert sd.shard_lengths(10, 4) == [3, 3, 3, 1]
-    assert sd.shard_lengths(9, 4) == [3, 3, 3, 0]
-    assert sd.shard_lengths(37296, 7) == [5328] * 7
-    assert sd.shard_lengths(5, 1) == [5]
-    with pytest.raises(ValueError, match="'world_size' received 0"):
-        sd.shard_lengths(5, 0)
 
 
 ERRORS = {   # case -> (exception type, pattern every rank's identical message matches)
@@ -352,49 +389,26 @@ def test_example_under_torchrun():
     assert all(status == "OK" and float(err) < 1e-5 for _, err, status in lines), out
 
 
+@pytest.mark.slow
 def test_benchmark_tiny_under_torchrun(tmp_path):
     path = tmp_path / "bench.md"
     _torchrun("benchmarks/bench_distributed.py", "--device", "cpu", "--tiny", "--out", str(path))
-    assert "gloo backend" in path.read_text()            # init_from_env("cpu")
-    rows = [line.split("|")[1:-1] for line in path.read_text().splitlines() if re.match(r"\| \d", line)]
+    text = path.read_text()
+    assert "gloo backend" in text            # init_from_env("cpu")
+    parts, end_to_end = text.split("## End to end")
+    rows = [line.split("|")[1:-1] for line in parts.splitlines() if re.match(r"\| \d", line)]
     assert [int(r[0]) for r in rows] == [1000, 2000]
     for r in rows:
         assert r[1].strip() == f"{int(r[0]) // 2}/{int(r[0]) // 2}"     # shard_lengths
+        assert all(float(r[i]) > 0 for i in (3, 4, 5, 6, 7, 9, 10))      # every time was measured
+        a, c_in, c_out = float(r[4]), float(r[5]), float(r[6])
+        assert float(r[9]) == pytest.approx(max(a, c_in + c_out), abs=0.01)
+        assert float(r[10]) == pytest.approx(a + c_in + c_out, abs=0.01)
+    rows = [line.split("|")[1:-1] for line in end_to_end.splitlines() if re.match(r"\| \d", line)]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(1000, 1), (1000, 2), (2000, 1), (2000, 2)]
+    for r in rows:
         assert float(r[-1]) < 1e-5                    # distributed output equals the one-device output
-        assert all(float(r[i]) > 0 for i in (3, 4, 6, 7, 8))   # every time was measured
-
-
-def test_errors_without_a_process_group():
-    q = torch.randn(1, 64, 2, 16)
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        sd.sol_attn(q, q, q)
-    with pytest.raises(RuntimeError, match="destroy_and_exit: .*init_process_group"):
-        sd.destroy_and_exit(0)
-
-
-@pytest.mark.parametrize("kwargs, exc, pattern", [
-    (dict(device_type="mps"), ValueError, r"'device_type' received 'mps'; allowed: None, 'cuda', 'xpu', 'cpu'"),
-    (dict(device_type=0), TypeError, r"'device_type' received 0"),
-    (dict(device_type="cpu", timeout=60), TypeError, r"'timeout' received 60 of type int"),
-])
-def test_init_from_env_argument_errors(kwargs, exc, pattern):
-    with pytest.raises(exc, match=pattern):
-        sd.init_from_env(**kwargs)
-    assert not torch.distributed.is_initialized()          # raised before starting anything
-
-
-def test_gate_dtype_message_names_the_dtypes_allowed():
-    q = torch.randn(1, 64, 2, 16)
-    with pytest.raises(TypeError, match=r"'coarse_gate' received .*float64.*allowed: .*"
-                                        r"torch\.bfloat16, torch\.float16 or torch\.float32"):
-        check_local("sol_attn", q, q, q, q.double(), "coarse_gate", 1)
-
-
-def test_destroy_and_exit_argument_error():
-    with pytest.raises(TypeError, match=r"'code' received 1.5 of type float; allowed: an int"):
-        sd.destroy_and_exit(1.5)
+        assert float(r[2]) > 0 and float(r[5]) > 0 and float(r[6]) > 0
 
 
 if __name__ == "__main__":

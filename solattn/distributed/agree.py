@@ -10,7 +10,7 @@ import hashlib
 import numbers
 import struct
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist

@@ -1,9 +1,26 @@
-"""The all-to-all exchanges of :mod:`solattn.distributed` (sequence shards <-> head slices)."""
+"""The all-to-all exchanges of :mod:`solattn.distributed`, one head group at a time.
+
+Layouts, for a group of ``P`` ranks, this rank's shard length ``T_r``, all shard lengths
+``lens`` (``T = sum(lens)``), ``hp = H / P`` heads per rank and a head group ``[a, b)`` of
+``hg = b - a`` heads within every rank's slice:
+
+- **shard**: ``(B, T_r, H, D)``, the caller's tensors; rank j's slice is heads
+  ``[j hp, (j + 1) hp)``, and the group is heads ``[j hp + a, j hp + b)`` of it;
+- **in** (:func:`start_in`): ``m`` shards of one dtype -> a buffer ``(T, m, B, hg, D)``: the
+  whole sequence (the senders' shards in rank order) for this rank's heads ``[rank hp + a,
+  rank hp + b)``; :func:`heads_view` gives ``(B, T, hg, D)`` views of it;
+- **out** (:func:`start_out`): a buffer ``(T, m, B, hg, D)`` -> ``(P T_r, m, B, hg, D)``:
+  this rank's tokens of every rank's group heads, which :func:`place` writes into shards.
+
+Every exchange is one ``torch.distributed.all_to_all_single`` started with ``async_op=True``
+(NCCL, XCCL and Gloo run it on their own stream or thread while this one computes, and all of
+them implement uneven splits), waited on through :class:`Pending`.
+"""
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -13,78 +30,73 @@ from .group import wait
 Tensor = torch.Tensor
 
 
-def all_to_all(x: Tensor, in_splits: List[int], out_splits: List[int], group,
-               timeout: Optional[timedelta] = None, what: str = "an all-to-all") -> Tensor:
-    """Rows ``[sum(in_splits[:j]), ...)`` of ``x`` go to rank j; the rows received from rank j
-    land at ``sum(out_splits[:j])``. Every backend in use here (NCCL, XCCL, Gloo, MPI) implements
-    ``all_to_all_single`` with uneven splits."""
-    x = x.contiguous()
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    work = dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                  group=group, async_op=True)
-    wait(work, timeout, "solattn.distributed", what)
-    return out
+def head_groups(hp: int, groups: int) -> List[Tuple[int, int]]:
+    """``[a, b)`` ranges splitting ``hp`` heads into ``min(groups, hp)`` groups, sizes differing
+    by at most one (the larger first)."""
+    g = max(1, min(groups, hp))
+    base, extra = divmod(hp, g)
+    bounds, a = [], 0
+    for i in range(g):
+        b = a + base + (i < extra)
+        bounds.append((a, b))
+        a = b
+    return bounds
 
 
-class _AllToAll(torch.autograd.Function):
-    """Differentiable all-to-all: the gradient of an exchange is the exchange with the splits
-    swapped (every row goes back to the rank it came from)."""
+class Pending:
+    """An exchange in flight: ``result(timeout)`` waits for it and returns the receive buffer."""
 
-    @staticmethod
-    def forward(ctx, x, in_splits, out_splits, group, timeout):
-        ctx.splits = (in_splits, out_splits)
-        ctx.group, ctx.timeout = group, timeout
-        return all_to_all(x, in_splits, out_splits, group, timeout)
+    def __init__(self, work, recv: Tensor, what: str):
+        self.work, self.recv, self.what = work, recv, what
 
-    @staticmethod
-    def backward(ctx, grad):
-        in_splits, out_splits = ctx.splits
-        return all_to_all(grad, out_splits, in_splits, ctx.group, ctx.timeout), None, None, None, None
+    def result(self, timeout: Optional[timedelta], fn: str) -> Tensor:
+        if self.work is not None:
+            wait(self.work, timeout, fn, self.what)
+            self.work = None
+        return self.recv
 
 
-class SumGrad(torch.autograd.Function):
-    """Identity whose gradient is summed over the group: for a tensor every rank holds whole
-    (``key_bias``) and uses for its own head slice, so each rank's gradient is its heads' share
-    and the sum is the gradient of the whole computation, the same on every rank."""
-
-    @staticmethod
-    def forward(ctx, x, group, timeout):
-        ctx.group, ctx.timeout = group, timeout
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        wait(dist.all_reduce(grad, group=ctx.group, async_op=True), ctx.timeout, "solattn.distributed",
-             "the key_bias gradient's all-reduce")
-        return grad, None, None
+def _start(send: Tensor, recv: Tensor, in_splits, out_splits, group, what: str) -> Pending:
+    work = dist.all_to_all_single(recv, send, output_split_sizes=list(out_splits),
+                                  input_split_sizes=list(in_splits), group=group, async_op=True)
+    return Pending(work, recv, what)
 
 
-def seq_to_heads(xs: List[Tensor], lens: List[int], rank: int, world: int, group, timeout=None) -> List[Tensor]:
-    """Shards ``(B, T_r, H, D)`` of one dtype -> ``(B, T, H/P, D)`` views of the whole sequence,
-    head slice ``rank``; one all-to-all for all of them."""
+def start_in(xs: Sequence[Tensor], lens: List[int], rank: int, world: int, a: int, b: int, group,
+             what: str = "an input exchange") -> Pending:
+    """Start sending heads ``[a, b)`` of every rank's slice of the shards ``xs`` (one dtype) to
+    their ranks; the result is the ``(T, m, B, hg, D)`` buffer of this rank's heads."""
     B, Tr, H, D = xs[0].shape
     hp = H // world
-    # send buffer (destination rank, token, tensor, b, head within the slice, d): one copy per tensor
-    send = torch.stack([x.reshape(B, Tr, world, hp, D).permute(2, 1, 0, 3, 4) for x in xs], dim=2)
-    recv = _AllToAll.apply(send.reshape(world * Tr, len(xs), B, hp, D), [Tr] * world, lens, group, timeout)
-    # received rows are the senders' shards in rank order, i.e. the whole sequence
-    return [recv[:, i].permute(1, 0, 2, 3) for i in range(len(xs))]
+    # (destination rank, token, tensor, b, head, d): the one copy each exchange needs
+    send = torch.stack([x.reshape(B, Tr, world, hp, D)[:, :, :, a:b].permute(2, 1, 0, 3, 4) for x in xs],
+                       dim=2)
+    recv = send.new_empty((sum(lens), len(xs), B, b - a, D))
+    return _start(send.reshape(world * Tr, len(xs), B, b - a, D), recv, [Tr] * world, lens, group, what)
 
 
-def heads_to_seq(y: Tensor, lens: List[int], rank: int, world: int, group, timeout=None) -> Tensor:
-    """``(B, T, H/P, D)`` -> this rank's shard ``(B, T_r, H, D)``, contiguous."""
-    B, _, hp, D = y.shape
+def heads_view(buf: Tensor, i: int) -> Tensor:
+    """Tensor ``i`` of an in-direction buffer as ``(B, T, hg, D)`` (a view)."""
+    return buf[:, i].permute(1, 0, 2, 3)
+
+
+def start_out(buf: Tensor, lens: List[int], rank: int, world: int, group,
+              what: str = "an output exchange") -> Pending:
+    """Start returning a ``(T, m, B, hg, D)`` buffer's tokens to the ranks that hold them."""
+    buf = buf.contiguous()
     Tr = lens[rank]
-    recv = _AllToAll.apply(y.permute(1, 0, 2, 3), lens, [Tr] * world, group, timeout)   # (P*T_r, B, hp, D)
-    return recv.reshape(world, Tr, B, hp, D).permute(2, 1, 0, 3, 4).reshape(B, Tr, world * hp, D).contiguous()
+    recv = buf.new_empty((world * Tr,) + tuple(buf.shape[1:]))
+    return _start(buf, recv, lens, [Tr] * world, group, what)
 
 
-def exchange_in(xs: List[Optional[Tensor]], lens, rank, world, group, timeout=None) -> List[Optional[Tensor]]:
-    """:func:`seq_to_heads` for tensors of possibly different dtypes (one all-to-all per dtype)."""
-    out: List[Optional[Tensor]] = [None] * len(xs)
-    for dtype in dict.fromkeys(x.dtype for x in xs if x is not None):
-        idx = [i for i, x in enumerate(xs) if x is not None and x.dtype == dtype]
-        for i, t in zip(idx, seq_to_heads([xs[i] for i in idx], lens, rank, world, group, timeout)):
-            out[i] = t
-    return out
+def place(recv: Tensor, dsts: Sequence[Optional[Tensor]], a: int, b: int, world: int) -> None:
+    """Write an out-direction result ``(P T_r, m, B, hg, D)`` into the heads ``[j hp + a, j hp + b)``
+    of the shards ``dsts`` (``(B, T_r, H, D)``, contiguous; None: skipped)."""
+    m = recv.shape[1]
+    for i in range(m):
+        dst = dsts[i]
+        if dst is None:
+            continue
+        B, Tr, H, D = dst.shape
+        part = recv.view(world, Tr, m, B, b - a, D)[:, :, i].permute(2, 1, 0, 3, 4)
+        dst.view(B, Tr, world, H // world, D)[:, :, :, a:b].copy_(part)

@@ -11,8 +11,8 @@ from .. import video as _video
 from ..ops import sol_attn as _sol_attn
 from ..validation import validate
 from .agree import agree, check_local, check_shard_lens
-from .exchange import SumGrad, exchange_in, heads_to_seq
-from .group import _check_timeout, _group_info
+from .group import _check_timeout, _fail, _group_info
+from .pipeline import DEFAULT_HEAD_GROUPS, run
 
 Tensor = torch.Tensor
 
@@ -24,14 +24,26 @@ def _rename(err: Exception, fn: str, old: str, context: str) -> Exception:
     return type(err)(f"{fn}: {msg} [checked on the gathered sequence: {context}]")
 
 
-def _agreed(fn: str, q, k, v, gate, gate_name: str, group, shard_lens, timeout, backend,
+def _check_groups(fn: str, head_groups) -> int:
+    if head_groups is None:
+        return DEFAULT_HEAD_GROUPS
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int):
+        _fail(fn, "head_groups", f"{head_groups!r} of type {type(head_groups).__name__}",
+              "None or an int >= 1", TypeError)
+    if head_groups < 1:
+        _fail(fn, "head_groups", repr(head_groups), "None or an int >= 1 (1: one exchange each way, no overlap)")
+    return head_groups
+
+
+def _agreed(fn: str, q, k, v, gate, gate_name: str, group, shard_lens, timeout, backend, head_groups,
             args: Dict[str, object], values: Dict[str, Optional[Tensor]]):
     """Local checks, then (with more than one rank) the argument agreement. Returns
-    ``(rank, world, lens or None, timeout)``; raises the same error on every rank."""
+    ``(rank, world, lens or None, timeout, head groups)``; raises the same error on every rank."""
     rank, world = _group_info(fn, group)
-    error, lens_given, limit = None, None, None
+    error, lens_given, limit, groups = None, None, None, None
     try:
         limit = _check_timeout(fn, timeout)
+        groups = _check_groups(fn, head_groups)
         check_local(fn, q, k, v, gate, gate_name, world)
         lens_given = check_shard_lens(fn, shard_lens, world)
         if backend is not None:
@@ -41,13 +53,13 @@ def _agreed(fn: str, q, k, v, gate, gate_name: str, group, shard_lens, timeout, 
     if world == 1:
         if error is not None:
             raise error
-        return rank, world, None, limit
+        return rank, world, None, limit, groups
     if error is None:
         grads = [torch.is_grad_enabled()] + [bool(x is not None and x.requires_grad) for x in (q, k, v, gate)]
-        args = dict(args, shard_lens=lens_given, backend=backend,
+        args = dict(args, shard_lens=lens_given, backend=backend, head_groups=groups,
                     **{f"grad mode, requires_grad of q, k, v, {gate_name}": grads})
     lens = agree(fn, group, rank, world, error, q, gate, gate_name, args, values, lens_given, limit)
-    return rank, world, lens, limit
+    return rank, world, lens, limit, groups
 
 
 def _context(lens, world, q):
@@ -60,7 +72,8 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
              key_bias: Optional[Tensor] = None, topk_ratio: float = 0.0, tail: bool = True,
              block_len: Optional[Tensor] = None, coarse_gate: Optional[Tensor] = None,
              token_aug: int = 0, *, backend: Optional[str] = None, group=None,
-             shard_lens: Optional[Sequence[int]] = None, timeout=None) -> Tensor:
+             shard_lens: Optional[Sequence[int]] = None, timeout=None,
+             head_groups: Optional[int] = None) -> Tensor:
     """:func:`solattn.sol_attn` on a sequence sharded over the ranks of ``group``.
 
     Every rank of the group calls this with the same arguments except its own shards. Before
@@ -84,6 +97,10 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
         timeout: seconds (or ``timedelta``) each collective of this call may wait before raising
             :class:`solattn.distributed.PeerFailure` (a peer raised, died or is not calling);
             None: the process group's own timeout.
+        head_groups: how many groups this rank's ``H / P`` heads are exchanged and attended
+            in, pipelined: the exchange of one group overlaps the attention of another (capped
+            at ``H / P``; None: ``min(8, H / P)``; 1: one exchange each way, no overlap). Any
+            value gives the single-device result.
 
     Returns:
         This rank's shard ``(B, T_r, H, D)`` of ``solattn.sol_attn`` on the gathered tensors,
@@ -92,8 +109,9 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
     fn = "solattn.distributed.sol_attn"
     args = dict(tau=tau, scale=scale, sink_blocks=sink_blocks, sink_q=sink_q, key_bias=key_bias,
                 topk_ratio=topk_ratio, tail=tail, block_len=block_len, token_aug=token_aug)
-    rank, world, lens, limit = _agreed(fn, q, k, v, coarse_gate, "coarse_gate", group, shard_lens, timeout,
-                                       backend, args, dict(key_bias=key_bias, block_len=block_len))
+    rank, world, lens, limit, groups = _agreed(fn, q, k, v, coarse_gate, "coarse_gate", group, shard_lens,
+                                               timeout, backend, head_groups, args,
+                                               dict(key_bias=key_bias, block_len=block_len))
     pos = (tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len)
     if world == 1:
         return _sol_attn(q, k, v, *pos, coarse_gate, token_aug, backend=backend)
@@ -112,16 +130,19 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
     except (TypeError, ValueError) as err:
         raise _rename(err, fn, "sol_attn", _context(lens, world, q)) from None
 
-    hq, hk, hv, hg = exchange_in([q, k, v, coarse_gate], lens, rank, world, group, limit)
-    if isinstance(key_bias, Tensor) and key_bias.requires_grad and torch.is_grad_enabled():
-        pos = pos[:4] + (SumGrad.apply(key_bias, group, limit),) + pos[5:]
-    out = _sol_attn(hq, hk, hv, *pos, hg, token_aug, backend=backend)
-    return heads_to_seq(out, lens, rank, world, group, limit)
+    def attn(hq, hk, hv, hg, kb):
+        return _sol_attn(hq, hk, hv, *pos[:4], kb, *pos[5:], hg, token_aug, backend=backend)
+
+    kb = key_bias if isinstance(key_bias, Tensor) and key_bias.dtype.is_floating_point else None
+    if kb is None:
+        return run(lambda hq, hk, hv, hg, _: attn(hq, hk, hv, hg, key_bias), [q, k, v, coarse_gate], None,
+                   lens, rank, world, group, groups, limit, fn)
+    return run(attn, [q, k, v, coarse_gate], kb, lens, rank, world, group, groups, limit, fn)
 
 
 def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, grid, *, gate: Optional[Tensor] = None,
                       group=None, shard_lens: Optional[Sequence[int]] = None, timeout=None,
-                      **kwargs) -> Tensor:
+                      head_groups: Optional[int] = None, **kwargs) -> Tensor:
     """:func:`solattn.video_sparse_attn` on a sequence sharded over the ranks of ``group``.
 
     Args:
@@ -133,7 +154,8 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, grid, *, gate: Optional[T
         grid: ``(t, h, w)`` of the whole video latent.
         gate: sharded like q (shape of q's shard), or None. Every row is used, prefix rows too:
             as on one device, the coarse branch is added to every row times its gate.
-        group, shard_lens, timeout: as for :func:`sol_attn`; the arguments are agreed the same way.
+        group, shard_lens, timeout, head_groups: as for :func:`sol_attn`; the arguments are
+            agreed the same way.
         **kwargs: every other keyword of :func:`solattn.video_sparse_attn` (``sparsity``,
             ``topk``, ``scale``, ``backend``, ``prefix_len``, ...), passed on unchanged; they
             describe the whole sequence.
@@ -144,8 +166,8 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, grid, *, gate: Optional[T
     """
     fn = "solattn.distributed.video_sparse_attn"
     args = dict(grid=grid, **{name: kwargs[name] for name in sorted(kwargs) if name != "backend"})
-    rank, world, lens, limit = _agreed(fn, q, k, v, gate, "gate", group, shard_lens, timeout,
-                                       kwargs.get("backend"), args, {})
+    rank, world, lens, limit, groups = _agreed(fn, q, k, v, gate, "gate", group, shard_lens, timeout,
+                                               kwargs.get("backend"), head_groups, args, {})
     if world == 1:
         return _video.video_sparse_attn(q, k, v, grid, gate=gate, **kwargs)
     B, _, H, D = q.shape
@@ -168,6 +190,7 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, grid, *, gate: Optional[T
     except Exception:  # noqa: BLE001 - a data-dependent check: the real call below makes it
         pass
 
-    hq, hk, hv, hg = exchange_in([q, k, v, gate], lens, rank, world, group, limit)
-    out = _video.video_sparse_attn(hq, hk, hv, grid, gate=hg, **kwargs)
-    return heads_to_seq(out, lens, rank, world, group, limit)
+    def attn(hq, hk, hv, hg, _):
+        return _video.video_sparse_attn(hq, hk, hv, grid, gate=hg, **kwargs)
+
+    return run(attn, [q, k, v, gate], None, lens, rank, world, group, groups, limit, fn)
