@@ -44,22 +44,23 @@ def head_groups(hp: int, groups: int) -> List[Tuple[int, int]]:
 
 
 class Pending:
-    """An exchange in flight: ``result(timeout)`` waits for it and returns the receive buffer."""
+    """An exchange in flight: ``result(timeout)`` waits for it and returns the receive buffer.
+    It holds the send buffer until then too (the backends also keep it until the work is done)."""
 
-    def __init__(self, work, recv: Tensor, what: str):
-        self.work, self.recv, self.what = work, recv, what
+    def __init__(self, work, send: Tensor, recv: Tensor, what: str):
+        self.work, self.send, self.recv, self.what = work, send, recv, what
 
     def result(self, timeout: Optional[timedelta], fn: str) -> Tensor:
         if self.work is not None:
             wait(self.work, timeout, fn, self.what)
-            self.work = None
+            self.work = self.send = None
         return self.recv
 
 
 def _start(send: Tensor, recv: Tensor, in_splits, out_splits, group, what: str) -> Pending:
     work = dist.all_to_all_single(recv, send, output_split_sizes=list(out_splits),
                                   input_split_sizes=list(in_splits), group=group, async_op=True)
-    return Pending(work, recv, what)
+    return Pending(work, send, recv, what)
 
 
 def start_in(xs: Sequence[Tensor], lens: List[int], rank: int, world: int, a: int, b: int, group,
