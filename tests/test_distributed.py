@@ -188,6 +188,16 @@ def worker(rank, init_file, outdir):
         setattr(dist, name, counted)
     for name, case in CASES.items():
         torch.save(run_case(case, rank, counts), os.path.join(outdir, f"{name}.{rank}.pt"))
+    # a group whose backend has no Gloo (NCCL, XCCL): the agreement runs on a Gloo group of its ranks
+    from solattn.distributed import agree
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        res = run_case(CASES["topk"], rank, counts)
+    finally:
+        dist.get_backend = real
+    res["host_group"] = [g is not dist.group.WORLD for _, g in agree._HOST_GROUPS]
+    torch.save(res, os.path.join(outdir, f"side_group.{rank}.pt"))
     # not barrier + destroy_process_group + a normal exit: Gloo's threads can then abort the
     # finished process at interpreter shutdown (SIGABRT, seen in CI); see destroy_and_exit
     from solattn import distributed as sd
@@ -231,7 +241,7 @@ def results():
         init_file = os.path.join(tmp, "rendezvous")
         _launch(lambda r: [__file__, "--worker", str(r), init_file, tmp], RUN_TIMEOUT_S)
         yield {name: [torch.load(os.path.join(tmp, f"{name}.{r}.pt")) for r in range(WORLD)]
-               for name in CASES}
+               for name in list(CASES) + ["side_group"]}
 
 
 def group_slices(H, world, G):
@@ -358,6 +368,13 @@ def test_every_rank_raises_the_same_error_before_the_exchange(results, name):
         assert res["collectives"] == {"all_gather": 1}            # the agreement; nothing else sent
         assert res["elapsed"] < ERROR_BOUND_S
         assert res["alive"] == 2.0
+
+
+def test_agreement_of_a_group_without_gloo_runs_on_a_gloo_group(results):
+    for plain, side in zip(results["topk"], results["side_group"]):
+        assert side["host_group"] == [True]           # one Gloo group, not the default group
+        assert torch.equal(side["out"], plain["out"])
+        assert side["collectives"]["all_gather"] == 1
 
 
 def test_vsa_gate_prefix_rows_are_used(results):

@@ -87,3 +87,17 @@ def test_head_groups_argument_errors(groups, exc, pattern):
     with pytest.raises(exc, match=pattern):
         _check_groups("solattn.distributed.sol_attn", groups)
     assert _check_groups("f", None) == DEFAULT_HEAD_GROUPS and _check_groups("f", 3) == 3
+
+
+def test_value_checksum_follows_in_place_writes():
+    from solattn.distributed.agree import checksum
+
+    t = torch.randn(100)
+    first = checksum(t)
+    assert checksum(t) == first == checksum(t.clone())
+    t[3] += 1                                       # bumps the version: computed again
+    assert checksum(t) != first and checksum(t) == checksum(t.clone())
+    assert checksum(torch.tensor([1.0, 2.0])) != checksum(torch.tensor([2.0, 1.0]))   # order counts
+    with torch.inference_mode():
+        inf = torch.ones(10)                        # no version counter: never cached
+    assert checksum(inf) == checksum(torch.ones(10))

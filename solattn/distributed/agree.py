@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import numbers
 import struct
+import weakref
 from datetime import timedelta
 from typing import Dict, List, Optional
 
@@ -95,17 +96,48 @@ def describe(value, q) -> str:
     return text
 
 
-def _checksum(t: Optional[Tensor], device) -> Tensor:
-    """An int64 checksum of a tensor's bytes (position-weighted), computed on its device."""
+_SUMS: Dict[int, tuple] = {}     # id(tensor) -> (weakref, version, checksum)
+
+
+def checksum(t: Optional[Tensor]) -> int:
+    """A position-weighted int64 checksum of a tensor's bytes, computed on its device. Cached
+    per tensor and version (in-place writes bump it), so a ``key_bias`` reused call after call
+    costs one device synchronisation, not one per call."""
     if t is None:
-        return torch.zeros(1, dtype=torch.int64, device=device)
+        return 0
+    key = id(t)
+    version = None if t.is_inference() else t._version      # inference tensors keep no version
+    hit = _SUMS.get(key)
+    if version is not None and hit is not None and hit[0]() is t and hit[1] == version:
+        return hit[2]
     b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
     w = torch.arange(b.numel(), device=b.device, dtype=torch.int64) % 65521 + 1
-    return (b * w).sum().reshape(1).to(device)
+    value = int((b * w).sum().item())
+    if version is not None:
+        _SUMS[key] = (weakref.ref(t, lambda _, key=key: _SUMS.pop(key, None)), version, value)
+    return value
+
+
+_HOST_GROUPS: list = []          # [(the default group, a Gloo group of the same ranks)]
+
+
+def host_group(group):
+    """A group that gathers CPU tensors with ``group``'s ranks, or None. ``group`` itself when
+    its backend includes Gloo; for the default group on NCCL or XCCL, a Gloo group of the same
+    ranks, created on first use (every rank makes the call that creates it). The agreement then
+    never waits for the device: the host can queue work ahead of it across calls."""
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    world = dist.group.WORLD
+    if group is not None and group is not world:
+        return None
+    if not _HOST_GROUPS or _HOST_GROUPS[0][0] is not world:
+        _HOST_GROUPS[:] = [(world, dist.new_group(backend="gloo"))]
+    return _HOST_GROUPS[0][1]
 
 
 def comm_device(group, q) -> torch.device:
-    """Where this group's small collectives put their tensors (NCCL moves device tensors only)."""
+    """Where a group without Gloo puts its small collectives' tensors (NCCL moves device tensors only)."""
     if isinstance(q, Tensor) and q.device.type != "cpu":
         return q.device
     if dist.get_backend(group) == "nccl":
@@ -123,7 +155,6 @@ def agree(fn: str, group, rank: int, world: int, error: Optional[Exception], q, 
     value of every argument that must be the same on every rank (described by :func:`describe`).
     ``values``: name -> tensor whose bytes must be the same on every rank (compared by checksum).
     """
-    device = comm_device(group, q)
     if error is None:
         B, Tr, H, D = q.shape
         gcode = -1 if gate is None else _DTYPE_CODES[gate.dtype]
@@ -134,11 +165,14 @@ def agree(fn: str, group, rank: int, world: int, error: Optional[Exception], q, 
         head = [next((c for c, e in _ERRORS.items() if type(error) is e), 3)] + [-1] * 6
     data = text.encode()[:_TEXT]
     head.append(len(data))
-    raw = struct.pack(f"<{len(head)}q", *head) + data + bytes(_TEXT - len(data))
-    mine = torch.cat([torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch.int64).to(device)]
-                     + [_checksum(values[n] if error is None else None, device) for n in values])
+    sums = [checksum(values[n]) if error is None else 0 for n in values]
+    raw = struct.pack(f"<{len(head)}q", *head) + data + bytes(_TEXT - len(data)) + struct.pack(f"<{len(sums)}q", *sums)
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch.int64)
+    on = host_group(group)
+    if on is None:                # a device-only group: gather on the device (one synchronisation)
+        on, mine = group, mine.to(comm_device(group, q))
     rows = [torch.empty_like(mine) for _ in range(world)]
-    wait(dist.all_gather(rows, mine, group=group, async_op=True), timeout, fn, "the argument agreement")
+    wait(dist.all_gather(rows, mine, group=on, async_op=True), timeout, fn, "the argument agreement")
     table = torch.stack(rows).cpu()
     heads = table[:, :len(_HEADER)].tolist()
     sums = table[:, -len(values):].tolist() if values else [[] for _ in range(world)]
