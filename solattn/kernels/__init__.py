@@ -24,10 +24,20 @@ def interpret_on(device: torch.device) -> bool:
     return interpreting() or device.type == "cpu"
 
 
+def interpretable(interpret: bool, *tensors):
+    """``tensors`` as a kernel run by Triton's CPU interpreter (``interpret``) can read them: the
+    interpreter keeps bf16 as raw bit patterns (its ``tl.dot`` multiplies them as integers), so
+    bf16 tensors become exact fp32 copies there, which give the same sums; everything else, and
+    every tensor of a GPU launch, is returned as it is."""
+    if not interpret:
+        return tensors
+    return tuple(t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in tensors)
+
+
 @functools.lru_cache(maxsize=1)
 def triton_installed() -> bool:
     """Whether Triton can be imported (without importing it)."""
     return importlib.util.find_spec("triton") is not None
 
 
-__all__ = ["interpret_on", "interpreting", "triton_installed"]
+__all__ = ["interpret_on", "interpretable", "interpreting", "triton_installed"]

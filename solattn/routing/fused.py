@@ -51,7 +51,7 @@ import torch
 
 from ..budget import current_budget
 from ..config import Tuning, current_tuning
-from ..kernels import interpret_on, interpreting, triton_installed
+from ..kernels import interpret_on, interpretable, interpreting, triton_installed
 from ..validation import BLOCK, Problem, fail
 from .plan import Plan
 from .select import topk_count
@@ -256,9 +256,7 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
     G, dev, f32, i32 = B * H, q.device, torch.float32, torch.int32
     interpret = interpret_on(dev)
-    if interpret and q.dtype == torch.bfloat16:
-        # the interpreter keeps bf16 as raw bit patterns; exact fp32 copies give the same sums
-        q, k, v = (t.to(f32) for t in (q, k, v))
+    q, k, v = interpretable(interpret, q, k, v)
 
     tail, coarse = problem.tail, problem.coarse_gate is not None
     need_v = tail or coarse

@@ -16,7 +16,7 @@ import torch
 
 from ... import graphs
 from ...config import current_tuning
-from ...kernels import interpret_on, interpreting
+from ...kernels import interpret_on, interpretable, interpreting
 from ...kernels import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend, BackwardBuffers, Gradients
@@ -46,8 +46,7 @@ class KernelOperands:
     its plan: contiguous int32 / fp32 plan tensors (an unused field points at ``key_mean``, a
     dummy the kernel never reads), the key bias as fp32 with its batch stride (0 when shared),
     and the flags of the kernels' constexprs. Under the interpreter bf16 ``q``, ``k``, ``v`` and
-    ``gate`` are fp32 copies: its ``tl.dot`` multiplies bf16 bit patterns as integers (fp16 is a
-    real numpy type and works), and interpreter runs are tiny."""
+    ``gate`` are fp32 copies (:func:`solattn.kernels.interpretable`; interpreter runs are tiny)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -91,9 +90,7 @@ def kernel_operands(problem: Problem, plan) -> KernelOperands:
     q, k, v = problem.q, problem.k, problem.v
     gate = problem.coarse_gate if has_coarse else q
     interpret = interpret_on(q.device)
-    if interpret and q.dtype == torch.bfloat16:
-        q, k, v = (t.to(f32) for t in (q, k, v))
-        gate = gate.to(f32)
+    q, k, v, gate = interpretable(interpret, q, k, v, gate)
     return KernelOperands(
         q=q, k=k, v=v, gate=gate,
         kv_num=plan.kv_num_blocks.to(torch.int32).contiguous(),

@@ -37,6 +37,7 @@ import torch
 import triton.language as tl
 
 from ...config import current_tuning
+from ...kernels import interpretable
 from ...kernels.runtime import compiled, gpu_jit
 from ...validation import BLOCK, Problem
 from .kernel import LOG2E, block_logits, key_block, query_block
@@ -238,10 +239,9 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         q_num, q_idx = q_num.contiguous(), q_idx.contiguous()
         bias_grad = bool(bias_grad and ops.has_bias)
         out, resid, dout = out.contiguous(), resid.contiguous(), grad_out
-        if ops.interpret and problem.q.dtype == torch.bfloat16:
-            # dO enters tl.dot: an fp32 copy, as kernel_operands does for q, k, v. The output and
-            # its residual stay bf16, so the coarse term is rounded to bf16 as the forward did
-            dout = dout.to(f32)
+        # dO enters tl.dot (an fp32 copy under the interpreter, as q, k, v are); the output and its
+        # residual stay bf16 there, so the coarse term is rounded to bf16 as the forward did
+        (dout,) = interpretable(ops.interpret, dout)
         cdt = q.dtype
         dq = torch.empty((B, T, H, D), dtype=cdt, device=dev)
         dk = torch.empty((B, T, H, D), dtype=cdt, device=dev)
