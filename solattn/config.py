@@ -25,7 +25,8 @@ import contextlib
 import contextvars
 from typing import Dict, Hashable, Iterator, Tuple, Type, TypeVar
 
-__all__ = ["Tuning", "current_tuning", "reset_tuning", "set_tuning", "tuning", "tuning_key"]
+__all__ = ["Tuning", "current_tuning", "graph_recording", "recording_graph", "reset_tuning", "set_tuning",
+           "tuning", "tuning_key"]
 
 
 class Tuning:
@@ -37,6 +38,7 @@ T = TypeVar("T", bound=Tuning)
 
 _PROCESS: Dict[type, Tuning] = {}
 _SCOPED: contextvars.ContextVar[Tuple[Tuning, ...]] = contextvars.ContextVar("solattn_tuning", default=())
+_GRAPH_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("solattn_graph_recording", default=False)
 
 
 def _check(values) -> Tuple[Tuning, ...]:
@@ -90,3 +92,22 @@ def tuning_key() -> Hashable:
     kinds = {type(v) for v in _SCOPED.get()} | _PROCESS.keys()
     named = ((f"{k.__module__}.{k.__qualname__}", current_tuning(k)) for k in kinds)
     return tuple(sorted(named, key=lambda entry: entry[0]))
+
+
+def graph_recording() -> bool:
+    """True while a CUDA-graph cache (:mod:`solattn.graphs`) warms up and captures a call in this
+    thread / task (the two runs see the same answer, so they launch the same kernels): work whose
+    host cost is paid per launch costs nothing per replay then. The ``triton`` backend gives small
+    problems TMA loads there, whose descriptors cost ~0.1 ms of host time per eager launch."""
+    return _GRAPH_RECORDING.get()
+
+
+@contextlib.contextmanager
+def recording_graph(flag: bool = True) -> Iterator[None]:
+    """Context manager: :func:`graph_recording` answers ``flag`` inside the block (the graph cache
+    sets it around its warm-up and capture, and clears it around the calls it runs eagerly)."""
+    token = _GRAPH_RECORDING.set(bool(flag))
+    try:
+        yield
+    finally:
+        _GRAPH_RECORDING.reset(token)

@@ -66,7 +66,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import tuning_key
+from .config import graph_recording, recording_graph, tuning_key
 
 __all__ = ["cuda_graphs", "active_cache", "GraphCache", "GraphStats"]
 
@@ -74,7 +74,6 @@ Tensor = torch.Tensor
 
 _ACTIVE: contextvars.ContextVar[Optional["GraphCache"]] = contextvars.ContextVar(
     "solattn_graph_cache", default=None)
-_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("solattn_graph_recording", default=False)
 
 # torch.cuda.graph allows one capture at a time per process.
 _CAPTURE_LOCK = threading.Lock()
@@ -127,10 +126,11 @@ class _Suspended:
 
     def __enter__(self):
         self._token = _ACTIVE.set(None)
-        self._recording = _RECORDING.set(self.recording)
+        self._recording = recording_graph(self.recording)
+        self._recording.__enter__()
 
     def __exit__(self, *exc):
-        _RECORDING.reset(self._recording)
+        self._recording.__exit__(*exc)
         _ACTIVE.reset(self._token)
 
 
@@ -403,10 +403,8 @@ def cuda_graphs(max_graphs: Optional[int] = None, capture_after: Optional[int] =
 
 def recording() -> bool:
     """True while a :class:`GraphCache` warms up and captures a call in this thread / task
-    (the two runs see the same answer, so they launch the same kernels): work whose host
-    cost is paid per launch costs nothing per replay then. The ``triton`` backend gives small
-    problems TMA loads there, whose descriptors cost ~0.1 ms of host time per eager launch."""
-    return _RECORDING.get()
+    (:func:`solattn.config.graph_recording`, where the backends read it)."""
+    return graph_recording()
 
 
 def active_cache() -> Optional[GraphCache]:

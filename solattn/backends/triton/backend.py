@@ -14,8 +14,7 @@ from typing import List, Optional
 
 import torch
 
-from ... import graphs
-from ...config import current_tuning
+from ...config import current_tuning, graph_recording
 from ...kernels import interpret_on, interpretable, interpreting
 from ...kernels import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
@@ -123,7 +122,7 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
                         f"allowed: None or a KernelConfig")
     cfg = config
     if cfg is None:
-        cfg = current_tuning(TritonTuning).forward_config(problem.B * problem.H * problem.n, graphs.recording(),
+        cfg = current_tuning(TritonTuning).forward_config(problem.B * problem.H * problem.n, graph_recording(),
                                                           problem.D)
     return run_kernel(problem, plan, cfg, out, lse=lse, resid=resid)
 
