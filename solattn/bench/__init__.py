@@ -82,6 +82,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as exc:
         parser.error(f"--out received {cfg.out!r}, where no folder can be made ({exc.strerror or exc}); "
                      "allowed: a writable folder path")
+    if cfg.vsa:
+        return _main_vsa(cfg)
     log(f"device {cfg.device}, dtype {DTYPE_NAMES[cfg.dtype]}, shapes "
         + " ".join(_shape_str(s) for s in cfg.shapes) + f", ratios {cfg.ratios}, tail "
         + ("off+on" if len(cfg.tails) > 1 else "off") + ", backends "
@@ -107,6 +109,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for s in cfg.skipped_lines():
         print(f"not run: {s}")
     print(f"\nwrote {os.path.abspath(csv_path)}, {os.path.abspath(md_path)}" + ("" if note else f", {os.path.abspath(png_path)}"))
+    return 0 if rows else 1
+
+
+def _main_vsa(cfg: Config) -> int:
+    """``--shapes vsa``: video_sparse_attn problems (:mod:`solattn.bench.vsa`)."""
+    from . import vsa
+    log(f"device {cfg.device}, dtype {DTYPE_NAMES[cfg.dtype]}, video_sparse_attn problems "
+        + "; ".join(p.label for p in cfg.vsa) + (", forward and forward + backward" if cfg.backward else ""))
+    log(f"results go to {os.path.abspath(cfg.out)}")
+    rows = vsa.run_vsa(cfg)
+    csv_path, md_path = os.path.join(cfg.out, "bench.csv"), os.path.join(cfg.out, "bench.md")
+    write_csv(rows, csv_path, vsa.COLUMNS)
+    with open(md_path, "w") as f:
+        f.write(vsa.markdown(rows, cfg, environment(cfg)))
+    print(vsa.text_table(rows))
+    for s in cfg.skipped_lines():
+        print(f"not run: {s}")
+    print(f"\nwrote {os.path.abspath(csv_path)}, {os.path.abspath(md_path)}")
     return 0 if rows else 1
 
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, NoReturn, Sequence
+from typing import Dict, List, NamedTuple, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
 from .. import dispatch
 from .models import Shape
-from .peers import PEERS
+from .peers import PEERS, VSA_PEERS
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
@@ -33,6 +34,43 @@ PRESETS["gpu"] = PRESETS["seed"] + PRESETS["sweep"] + PRESETS["h3"]
 
 #: the name of the dense SDPA row
 DENSE = "dense"
+
+
+class VSAProblem(NamedTuple):
+    """One ``video_sparse_attn`` problem: ``prefix`` tokens then a ``grid`` of 4x4x4 cubes, ``topk``
+    video cubes kept per query cube, with or without the coarse branch's gate."""
+
+    B: int
+    H: int
+    D: int
+    grid: Tuple[int, int, int]
+    topk: int
+    prefix: int = 0
+    gate: bool = True
+
+    @property
+    def cubes(self) -> int:
+        return math.prod(-(-g // 4) for g in self.grid)
+
+    @property
+    def T(self) -> int:
+        return self.prefix + math.prod(self.grid)
+
+    @property
+    def label(self) -> str:
+        grid = "x".join(map(str, self.grid))
+        return (f"{self.prefix} + " if self.prefix else "") + f"{grid}, {self.topk} of {self.cubes}" \
+            + (", gate" if self.gate else "")
+
+
+#: named sets of video_sparse_attn problems (``--shapes vsa``): the VSA model's head count and
+#: head dim, full cubes, top-k 10 % / 20 % of the cubes; with a 432-token prefix, H3's layout
+VSA_PRESETS: Dict[str, List[VSAProblem]] = {
+    "vsa": [VSAProblem(1, 56, 128, (16, 48, 48), 58), VSAProblem(1, 56, 128, (16, 48, 48), 116),
+            VSAProblem(1, 56, 128, (8, 32, 32), 13), VSAProblem(1, 56, 128, (16, 48, 48), 58, prefix=432),
+            VSAProblem(1, 56, 128, (16, 48, 48), 58, prefix=432, gate=False)],
+    "vsa-quick": [VSAProblem(1, 2, 32, (4, 8, 16), 2), VSAProblem(1, 2, 32, (4, 8, 16), 2, prefix=70)],
+}
 
 
 class UsageError(ValueError):
@@ -85,6 +123,9 @@ def parse_shapes(tokens: Sequence[str]) -> List[Shape]:
     shapes: List[Shape] = []
     for tok in tokens:
         for part in tok.split():
+            if part.lower() in VSA_PRESETS:
+                raise UsageError(f"--shapes received {part!r} (video_sparse_attn problems) with other shapes; "
+                                 f"allowed: VSA presets ({', '.join(VSA_PRESETS)}) alone, or B,T,H,D shapes")
             if part.lower() in PRESETS:
                 shapes.extend(PRESETS[part.lower()])
                 continue
@@ -132,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the device; print a table (time, speed-up over dense, peak memory, error, FLOP and "
                     "byte models) and write CSV, Markdown and a PNG plot of time against T.",
         epilog="Presets for --shapes: " + "; ".join(
-            f"{k}: " + " ".join(",".join(map(str, s)) for s in v) for k, v in PRESETS.items()),
+            f"{k}: " + " ".join(",".join(map(str, s)) for s in v) for k, v in PRESETS.items())
+            + ". video_sparse_attn presets (B=1, H, D, grid[, prefix], kept cubes): " + "; ".join(
+            f"{k}: H={v[0].H}, D={v[0].D}, " + ", ".join(p.label for p in v) for k, v in VSA_PRESETS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", type=device_arg, help="torch device (default: best present, cuda > xpu > mps > cpu)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input dtype (default bf16)")
@@ -144,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="routing threshold of the tau-mode rows (--ratios 0), in sigmas (default 1)")
     p.add_argument("--tail", action=argparse.BooleanOptionalAction, default=False,
                    help="--tail adds rows with the pooled tail on (rows with it off are always run)")
+    p.add_argument("--backward", action="store_true",
+                   help="video_sparse_attn presets: add forward + backward rows (gradients of q, k, v, gate)")
     p.add_argument("--coarse-gate", action="store_true", help="pass a random coarse_gate (VSA coarse branch)")
     p.add_argument("--backends", nargs="+", metavar="NAME",
                    help=f"restrict to these: '{DENSE}', registered backend names and/or "
@@ -192,6 +237,8 @@ class Config:
     tau: float = 1.0              # routing threshold of the tau-mode rows (ratio 0)
     peers: List[str] = field(default_factory=list)  # other implementations to time when present
     graphs: bool = False          # also time the triton backend through solattn.cuda_graphs()
+    vsa: List[VSAProblem] = field(default_factory=list)  # video_sparse_attn problems (then no shapes)
+    backward: bool = False        # VSA: forward + backward rows too
     #: "backend: why" -> the problems it was not run on
     skipped: Dict[str, List[str]] = field(default_factory=dict)
 
@@ -208,6 +255,12 @@ def resolve(args: argparse.Namespace) -> Config:
     device = args.device if args.device is not None else dispatch.best_device()
     on_cpu = device.type == "cpu"
     dtype = DTYPES[args.dtype]
+    vsa = _vsa_problems(args.shapes or [], args.quick)
+    if vsa is not None:
+        return _resolve_vsa(args, device, vsa)
+    if args.backward:
+        raise UsageError("--backward received without a video_sparse_attn preset; allowed: with --shapes "
+                         + " or ".join(VSA_PRESETS))
     if args.shapes:
         shapes = parse_shapes(args.shapes)
     else:
@@ -234,11 +287,7 @@ def resolve(args: argparse.Namespace) -> Config:
         with_dense = DENSE in wanted
         order = [n for n in order if n in wanted]
         peers = [n for n in PEERS if n in wanted]          # named: run, or say why not
-    repeats = args.repeats if args.repeats is not None else (2 if args.quick else (3 if on_cpu else 20))
-    warmup = args.warmup if args.warmup is not None else (1 if on_cpu or args.quick else 3)
-    for option, value in (("--repeats", repeats), ("--warmup", warmup)):
-        if value < 1:
-            raise UsageError(f"{option} received {value}; allowed: an integer >= 1")
+    repeats, warmup = _counts(args, on_cpu)
     if args.graphs and device.type != "cuda":
         raise UsageError(f"--graphs received on device {device}; allowed: a CUDA device (CUDA graphs)")
     out = args.out or default_out(device)
@@ -247,3 +296,50 @@ def resolve(args: argparse.Namespace) -> Config:
                   backends=order, with_dense=with_dense, repeats=repeats, warmup=warmup, out=out,
                   seed=args.seed, plot=not args.no_plot, tau=args.tau, peers=peers,
                   graphs=args.graphs)
+
+
+def _counts(args: argparse.Namespace, on_cpu: bool) -> Tuple[int, int]:
+    """``(repeats, warmup)``: the options, or the defaults for the device."""
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else (3 if on_cpu else 20))
+    warmup = args.warmup if args.warmup is not None else (1 if on_cpu or args.quick else 3)
+    for option, value in (("--repeats", repeats), ("--warmup", warmup)):
+        if value < 1:
+            raise UsageError(f"{option} received {value}; allowed: an integer >= 1")
+    return repeats, warmup
+
+
+def _vsa_problems(tokens: Sequence[str], quick: bool) -> Optional[List[VSAProblem]]:
+    """The VSA problems when ``--shapes`` names only VSA presets, else None (mixing is refused
+    by :func:`parse_shapes`)."""
+    names = [part.lower() for tok in tokens for part in tok.split()]
+    if not names or not all(name in VSA_PRESETS for name in names):
+        return None
+    if quick:
+        raise UsageError(f"--quick received with --shapes {' '.join(names)}; allowed: --shapes vsa-quick "
+                         "(the tiny VSA problems) without --quick")
+    return list(dict.fromkeys(p for name in names for p in VSA_PRESETS[name]))
+
+
+#: the video_sparse_attn row of solattn (the backend chosen as for any call)
+SOLATTN = "solattn"
+
+
+def _resolve_vsa(args: argparse.Namespace, device: torch.device, problems: List[VSAProblem]) -> Config:
+    allowed = [DENSE, SOLATTN, *VSA_PEERS]
+    wanted = [b.lower() for b in args.backends] if args.backends else allowed
+    unknown = [b for b in wanted if b not in allowed]
+    if unknown:
+        raise UsageError(f"--backends received {', '.join(unknown)} with video_sparse_attn problems; "
+                         f"allowed: {', '.join(allowed)}")
+    for option, value in (("--ratios", args.ratios), ("--tail", args.tail or None),
+                          ("--coarse-gate", args.coarse_gate or None), ("--graphs", args.graphs or None)):
+        if value is not None:
+            raise UsageError(f"{option} received with video_sparse_attn problems (--shapes "
+                             f"{' '.join(args.shapes)}); allowed: sol_attn shapes only (a VSA problem sets "
+                             "its kept cubes and gate)")
+    repeats, warmup = _counts(args, device.type == "cpu")
+    return Config(device=device, dtype=DTYPES[args.dtype], shapes=[], ratios=[], tails=[False], coarse=False,
+                  backends=[SOLATTN] if SOLATTN in wanted else [], with_dense=DENSE in wanted,
+                  repeats=repeats, warmup=warmup, out=args.out or default_out(device), seed=args.seed,
+                  plot=False, peers=[n for n in VSA_PEERS if n in wanted], vsa=problems,
+                  backward=args.backward)

@@ -7,7 +7,7 @@ import datetime as _dt
 import os
 import platform
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -137,12 +137,12 @@ def publish(lines: List[str], path: str) -> str:
     return text
 
 
-def write_csv(rows: List[dict], path: str) -> None:
+def write_csv(rows: List[dict], path: str, columns: Sequence[str] = COLUMNS) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=list(columns))
         w.writeheader()
         for r in rows:
-            w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in COLUMNS})
+            w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in columns})
 
 
 def environment(cfg: Config) -> Dict[str, str]:
