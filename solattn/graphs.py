@@ -1,4 +1,4 @@
-"""Opt-in CUDA-graph replay for small, launch-bound ``sol_attn`` calls.
+"""Opt-in CUDA-graph replay for small, launch-bound ``sol_attn`` and ``video_sparse_attn`` calls.
 
 A small attention call is host bound: Python, validation, planning and four Triton
 launches can take several times longer on the CPU than the kernels take on the GPU.
@@ -47,7 +47,7 @@ Constraints:
 * No autograd: a call with grad enabled and an input that requires grad runs eagerly.
 * A function that cannot be captured (a host sync such as ``.item()``, a CPU<->GPU copy)
   is reported once by a warning and runs eagerly from then on for that key. In ``sol_attn``
-  that is every call whose routing plan is not the fused one (the ``sdpa`` backend, or a
+  and ``video_sparse_attn`` that is every call whose routing plan is not the fused one (the ``sdpa`` backend, or a
   problem outside ``solattn.routing.fused.fused_plan_usable``, e.g. over its memory budget).
 * Thread safety: one lock per cache covers its bookkeeping, captures and replays (a
   replay is a few microseconds); eager calls run outside it. Captures are serialised
@@ -383,7 +383,7 @@ class _Scope:
 
 def cuda_graphs(max_graphs: Optional[int] = None, capture_after: Optional[int] = None, *,
                 cache: Optional[GraphCache] = None) -> _Scope:
-    """Context manager: eligible ``sol_attn`` calls inside the block go through a
+    """Context manager: eligible ``sol_attn`` and ``video_sparse_attn`` calls inside the block go through a
     :class:`GraphCache` (yielded by ``with``). A new cache by default (``max_graphs=8``,
     ``capture_after=2``), or ``cache=`` an existing one to keep its graphs across blocks.
     The scope covers the thread or asyncio task that entered it; nested blocks: the inner

@@ -26,8 +26,8 @@ import torch
 from . import dispatch
 from .backends.base import Backend
 from .ops import (PLANS, _fake_fused, autograd_dispatch, backward_buffers, backward_grads, check_transforms,
-                  fake_grads, forward_settings, fused_grads, fused_plan_allowed, grads_as_outputs, own_backward,
-                  plain_eager, recompute_grads, run_for_backward)
+                  eager_call, fake_grads, forward_settings, fused_grads, fused_plan_allowed, grads_as_outputs,
+                  own_backward, plain_eager, recompute_grads, run_for_backward)
 from .routing import PREFIX_MODES, build_vsa_plan, vsa_topk_from_sparsity
 from .validation import BLOCK, SUPPORTED_DTYPES, Problem, finite, validate
 from .validation import fail as _fail
@@ -256,9 +256,11 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     args = (q, k, v, list(grid), int(k_vid), gate, None if scale is None else float(scale),
             backend or "", list(segments), prefix_mode, want_lse)
     if not want_lse and plain_eager(q, k, v, gate):
-        # not through cuda_graphs(): the torch VSA plan reads its sizes on the host (the fused
-        # plan, on CUDA with the triton backend, no longer does; not wired to graphs yet)
-        return _vsa_op_forward(*args)[0]
+        # through the cuda_graphs() cache when one is active: the fused plan (CUDA, triton) has no
+        # host syncs, other plans stay eager; the cached layout's tables are read too, so they key
+        layout = _layout(grid, cube, segments, q.device)
+        return eager_call(lambda: _vsa_op_forward(*args)[0], (q, k, v, gate, *layout[:3], layout.block_len),
+                          ("video_sparse_attn", *args[3:5], *args[6:]))
     check_transforms("video_sparse_attn", (q, k, v, gate))
     return _vsa_op(*args)[0]
 

@@ -522,3 +522,81 @@ def test_triton_small_problems_take_tma_loads_only_when_recorded(monkeypatch):
     with tuning(tb.TritonTuning(tma_min_programs=0)):
         tb.launch(problem, None)
     assert picked == [False, True, False, True]
+
+
+# --------------------------------------------------------------------------- video_sparse_attn
+
+def _vsa_inputs(device="cpu", dtype=torch.float32, prefix=70, grid=(4, 8, 8)):
+    g = torch.Generator().manual_seed(0)
+    T = prefix + grid[0] * grid[1] * grid[2]
+    q, k, v = (torch.randn(1, T, 2, 16 if device == "cpu" else 64, generator=g).to(device, dtype) for _ in range(3))
+    return q, k, v, torch.rand(q.shape, generator=g).to(device, dtype)
+
+
+@pytest.mark.parametrize("variant", [dict(topk=3), dict(scale=0.3), dict(prefix_mode="compete"),
+                                     dict(gate=0.5), dict(gate=None)])
+def test_video_sparse_attn_goes_through_the_active_cache_keyed_by_every_argument(monkeypatch, variant):
+    """Plain no-grad ``video_sparse_attn`` calls reach the cache with their inputs and the layout's
+    tables as tensors: the same call captures, then replays on the inputs' current contents; a call
+    that differs in any other argument is a new key (a replay of the first graph would return the
+    first call's work, not this one's), and a call that needs autograd stays out of the cache.
+    (On a CPU the cache is a recording fake, as above: the device check of the wiring is bypassed.)"""
+    import solattn
+    from solattn import video
+
+    cache, sightings = FakeCache(capture_after=2), []
+
+    def through_cache(fn, tensors, extra):
+        sightings.append(len(tensors))
+        return cache.run(fn, tensors, tuple(tuple(x) if isinstance(x, list) else x for x in extra))
+
+    q, k, v, gate = _vsa_inputs()
+    base = dict(topk=2, gate=gate, prefix_len=70, backend="sdpa")
+    monkeypatch.setattr(video, "eager_call", through_cache)
+    with torch.no_grad():
+        outs = []
+        for _ in range(4):
+            q.normal_()
+            gate.uniform_()
+            outs.append((solattn.video_sparse_attn(q, k, v, (4, 8, 8), **base), q.clone(), gate.clone()))
+        other = solattn.video_sparse_attn(q, k, v, (4, 8, 8), **dict(base, **variant))
+    assert cache.log == ["warmup", "capture", "replay", "replay", "replay"]
+    assert (cache.stats.eager_calls, cache.stats.captures, cache.stats.replays) == (2, 1, 2)
+    assert sightings == [8] * 5                          # q, k, v, gate and the layout's four tables
+    qg = q.clone().requires_grad_(True)
+    solattn.video_sparse_attn(qg, k, v, (4, 8, 8), **base).sum().backward()
+    assert len(sightings) == 5 and qg.grad is not None
+    monkeypatch.undo()
+    with torch.no_grad():
+        for got, q_then, gate_then in outs:
+            want = solattn.video_sparse_attn(q_then, k, v, (4, 8, 8), **dict(base, gate=gate_then))
+            assert torch.equal(got, want)
+        assert torch.equal(other, solattn.video_sparse_attn(q, k, v, (4, 8, 8), **dict(base, **variant)))
+        assert not torch.equal(other, outs[-1][0])
+
+
+@needs_cuda
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_cuda_video_sparse_attn_inside_cuda_graphs_scope_replays():
+    """``video_sparse_attn`` on the triton backend (the fused plan: no host syncs) inside
+    ``cuda_graphs()``: captured once, replayed, each output equal to an eager call on the inputs'
+    current contents; another top-k is a new key."""
+    import solattn
+
+    q, k, v, gate = _vsa_inputs("cuda", torch.bfloat16, prefix=70, grid=(8, 16, 16))
+    kw = dict(topk=4, gate=gate, prefix_len=70, backend="triton")
+    with torch.no_grad():
+        with cuda_graphs() as cache:
+            outs = []
+            for _ in range(4):
+                q.normal_()
+                gate.uniform_()
+                outs.append((solattn.video_sparse_attn(q, k, v, (8, 16, 16), **kw), q.clone(), gate.clone()))
+            other = solattn.video_sparse_attn(q, k, v, (8, 16, 16), **dict(kw, topk=9))
+        for got, q_then, gate_then in outs:
+            want = solattn.video_sparse_attn(q_then, k, v, (8, 16, 16), **dict(kw, gate=gate_then))
+            assert torch.equal(got, want) or rel_l2(got, want) < 1e-6
+        want = solattn.video_sparse_attn(q, k, v, (8, 16, 16), **dict(kw, topk=9))
+        assert torch.equal(other, want) or rel_l2(other, want) < 1e-6
+    s = cache.stats
+    assert (s.captures, s.replays, s.failures, s.eager_calls) == (1, 2, 0, 2)
