@@ -68,6 +68,29 @@ def test_fastvideo_absent_or_off_cuda_is_a_reason_not_an_error(monkeypatch):
     assert calls == {} and all("bf16/fp16 only" in m for m in missing)
 
 
+@pytest.mark.parametrize("capability, ops, rows, reason", [
+    ((9, 0), dict(block_sparse_fwd=print, block_sparse_bwd=print), list(peers.VSA_PEERS), None),
+    ((9, 0), dict(block_sparse_fwd=print), ["fastvideo-triton"], "has no block-sparse VSA kernel"),
+    ((9, 0), None, ["fastvideo-triton"], "its compiled extension did not load: ModuleNotFoundError"),
+    ((8, 9), dict(block_sparse_fwd=print, block_sparse_bwd=print), ["fastvideo-triton"], "this GPU is sm_89"),
+])
+def test_fastvideo_rows_follow_its_kernels(monkeypatch, capability, ops, rows, reason):
+    """The Triton row whenever fastvideo_kernel imports on a CUDA GPU; the sm_90 row only on an
+    sm_90 GPU whose compiled extension loads with its block-sparse kernels (nothing runs here)."""
+    monkeypatch.setitem(sys.modules, "fastvideo_kernel", types.ModuleType("fastvideo_kernel"))
+    monkeypatch.setitem(sys.modules, "fastvideo_kernel._C", types.ModuleType("fastvideo_kernel._C"))
+    monkeypatch.setitem(sys.modules, "fastvideo_kernel._C.fastvideo_kernel_ops",
+                        None if ops is None else types.SimpleNamespace(**ops))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    calls, missing = peers.vsa_peer_calls(torch.device("cuda"), torch.bfloat16)
+    assert list(calls) == rows
+    assert [c.triton for c in calls.values()] == [name == "fastvideo-triton" for name in rows]
+    if reason is None:
+        assert missing == []
+    else:
+        assert len(missing) == 1 and missing[0].startswith("fastvideo-sm90: ") and reason in missing[0]
+
+
 def _standin_vsa(seen):
     """A stand-in for ``fastvideo_kernel.video_sparse_attn``: the VSA definition in torch on its
     ``(B, H, 64 n, D)`` layout (cube means over live rows, coarse softmax over all cubes, fine

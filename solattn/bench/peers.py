@@ -143,7 +143,7 @@ def _sm90_kernel(device: torch.device) -> str:
     if major_minor != (9, 0):
         return f"its compiled kernel is for sm_90 (H100/H200); this GPU is sm_{major_minor[0]}{major_minor[1]}"
     try:
-        ops = importlib.import_module("fastvideo_kernel._C").fastvideo_kernel_ops
+        ops = importlib.import_module("fastvideo_kernel._C.fastvideo_kernel_ops")
     except Exception as exc:
         return f"its compiled extension did not load: {type(exc).__name__}: {exc}"
     if getattr(ops, "block_sparse_fwd", None) is None or getattr(ops, "block_sparse_bwd", None) is None:
