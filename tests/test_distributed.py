@@ -196,7 +196,7 @@ def worker(rank, init_file, outdir):
         res = run_case(CASES["topk"], rank, counts)
     finally:
         dist.get_backend = real
-    res["host_group"] = [g is not dist.group.WORLD for _, g in agree._HOST_GROUPS]
+    res["host_group"] = [g is not None and g is not dist.group.WORLD for _, g in agree._HOST_GROUPS]
     torch.save(res, os.path.join(outdir, f"side_group.{rank}.pt"))
     # not barrier + destroy_process_group + a normal exit: Gloo's threads can then abort the
     # finished process at interpreter shutdown (SIGABRT, seen in CI); see destroy_and_exit

@@ -15,10 +15,13 @@ choice, ``ceil(T / P)`` tokens per rank with a shorter (possibly empty) last sha
 Every call starts with one small all-gather in which the ranks agree on their arguments and
 learn the shard lengths (:mod:`.agree`), so that every rank raises the same error or none.
 The exchange uses ``torch.distributed.all_to_all_single`` (NCCL on CUDA, XCCL on XPU, Gloo on the
-CPU: Gloo implements it, uneven splits included), and everything is differentiable.
+CPU: Gloo implements it, uneven splits included), one head group at a time and asynchronously,
+so that it overlaps the attention of another group (:mod:`.pipeline`); everything is
+differentiable.
 
 Modules: :mod:`.group` (process groups, sharding, waiting with a time limit), :mod:`.agree`
-(argument agreement), :mod:`.exchange` (the all-to-alls), :mod:`.ops` (the operators).
+(argument agreement), :mod:`.exchange` (the all-to-alls of one head group), :mod:`.pipeline`
+(the overlapped schedule, forward and backward), :mod:`.ops` (the operators).
 """
 
 from .group import (PROCESS_GROUP_BACKENDS, PeerFailure, destroy_and_exit, gather, init_from_env, shard,

@@ -132,7 +132,11 @@ def host_group(group):
     if group is not None and group is not world:
         return None
     if not _HOST_GROUPS or _HOST_GROUPS[0][0] is not world:
-        _HOST_GROUPS[:] = [(world, dist.new_group(backend="gloo"))]
+        try:
+            side = dist.new_group(backend="gloo")
+        except Exception:  # noqa: BLE001 - no Gloo on this host (e.g. no usable interface): device gather
+            side = None
+        _HOST_GROUPS[:] = [(world, side)]
     return _HOST_GROUPS[0][1]
 
 
