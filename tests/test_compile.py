@@ -1,5 +1,5 @@
-"""``sol_attn`` and ``video_sparse_attn`` are torch.library custom ops: torch.compile(fullgraph=True)
-traces each as one node, and their backward passes as one op each."""
+"""``sol_attn`` and ``video_sparse_attn`` are one torch.library custom op (``solattn::sol_attn``, on
+two routes): torch.compile(fullgraph=True) traces each call as one node, and its backward as one op."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_compiled_backward_matches_eager(device, fullgraph):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_vsa_backward_fullgraph_matches_eager(device):
-    """The same for ``video_sparse_attn`` (``solattn::video_sparse_attn_backward``): a gate tensor
+    """The same for ``video_sparse_attn`` (the same backward op on VSA's route): a gate tensor
     and a prefix, ``fullgraph=True``."""
     torch._dynamo.reset()
     grid = (4, 8, 8)
@@ -135,12 +135,14 @@ def test_backward_ops_registered_with_fake_impls():
     flag = torch.empty((), dtype=torch.int64, device="meta")
     lse = torch.empty((0,), device="meta")
     grads = torch.ops.solattn.sol_attn_backward(q, k, v, None, None, q, q, lse, lse, flag, q, 1.0, None,
-                                                None, None, 0.5, True, 0, "", False, True)
+                                                None, None, 0.5, True, 0, None, 0, [], "exempt", "", False, True)
     assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 4 + [(0,)]
     assert all(g.dtype == torch.bfloat16 for g in grads[:4])
-    grads = torch.ops.solattn.video_sparse_attn_backward(q, k, v, None, q, lse, lse, flag, q, [1, 8, 8], 1,
-                                                         None, "", [36], "exempt", False)
-    assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 3 + [(0,)]
+    # video_sparse_attn's backward is the same op on VSA's route (a grid, k_vid, prefix segments)
+    grads = torch.ops.solattn.sol_attn_backward(q, k, v, None, None, None, q, lse, lse, flag, q, 1.0, None,
+                                                None, None, 0.0, False, 0, [1, 8, 8], 1, [36], "exempt", "",
+                                                False, False)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 3 + [(0,), (0,)]
 
 
 @pytest.mark.parametrize("name", ["sol_attn", "video_sparse_attn"])

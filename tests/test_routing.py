@@ -252,12 +252,12 @@ def test_vsa_tiled_problems_sum_their_zero_dead_rows_unmasked(vsa_plan_marks, gr
     the dead-row mask in the block sums (2.4x faster torch plan on a 2-core CPU) with the same
     fp32 statistics; video_sparse_attn marks its problems so."""
     import dataclasses
-    from solattn.video import DEFAULT_CUBE, _layout, _to_tiled
+    from solattn.tiling import DEFAULT_CUBE, layout as tiled_layout, to_tiled
     grid, segments = (5, 6, 7), (70, 30)
     T = sum(segments) + 5 * 6 * 7
     q, k, v = make_qkv(1, T, 2, 32, dtype=torch.bfloat16, seed=12)
-    layout = _layout(grid, DEFAULT_CUBE, segments, q.device)
-    tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
+    layout = tiled_layout(grid, DEFAULT_CUBE, segments, q.device)
+    tq, tk, tv = (to_tiled(x, layout) for x in (q, k, v))
     if grad:        # the autograd path of the block means (chunked torch.where when masking)
         tq, tk, tv = (x.requires_grad_(True) for x in (tq, tk, tv))
     problem = validate(tq, tk, tv, tail=False, block_len=layout.block_len)

@@ -56,9 +56,9 @@ def primitive(fn, busy, n=200):
 
 
 #: (module, function) pairs timed inclusively with ``funcs``
-FUNCS = (("solattn.ops", "validate"), ("solattn.dispatch", "choose"), ("solattn.ops", "plan_for"),
-         ("solattn.ops", "fused_plan_allowed"), ("solattn.ops", "backward_buffers"),
-         ("solattn.ops", "run_for_backward"), ("solattn.ops", "plain_eager"), ("solattn.ops", "eager_call"),
+FUNCS = (("solattn.pipeline", "validate"), ("solattn.dispatch", "choose"), ("solattn.pipeline", "build_plan"),
+         ("solattn.pipeline", "fused_plan_allowed"), ("solattn.pipeline", "backward_buffers"),
+         ("solattn.pipeline", "run_for_backward"), ("solattn.ops", "plain_eager"), ("solattn.ops", "eager_call"),
          ("solattn.routing.fused", "fused_plan_usable"), ("solattn.routing.fused", "_fused_plan"),
          ("solattn.routing.fused", "dot_precision"), ("solattn.backends.triton.backend", "kernel_operands"),
          ("solattn.backends.triton.backend", "run_kernel"), ("solattn.backends.triton.backend", "_tma_ok"),

@@ -37,7 +37,8 @@ from solattn.bench.models import bytes_moved, flop_count  # noqa: E402
 from solattn.routing import build_vsa_plan, fused, vsa_topk_from_sparsity  # noqa: E402
 from solattn.testing import make_qkv, rel_l2  # noqa: E402
 from solattn.validation import validate  # noqa: E402
-from solattn.video import DEFAULT_CUBE, _layout, _tiled_gate, _to_tiled  # noqa: E402
+from solattn.tiling import DEFAULT_CUBE, tiled_gate, to_tiled  # noqa: E402
+from solattn.tiling import layout as tiled_layout  # noqa: E402
 
 dev = torch.device("cuda")
 GRID, PREFIX, H, D, SPARSITY = (16, 48, 48), [432], 56, 128, 0.9
@@ -76,15 +77,15 @@ def main():
     print(f"{torch.__version__} {name} {solattn.__version__} git {os.environ.get('SOLATTN_REVISION', '?')} T={T} grid={GRID} "
           f"prefix={PREFIX} H={H} D={D} sparsity={SPARSITY}", flush=True)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    layout = _layout(GRID, DEFAULT_CUBE, tuple(PREFIX), dev)
+    layout = tiled_layout(GRID, DEFAULT_CUBE, tuple(PREFIX), dev)
     P = layout.num_prefix_blocks
-    tq, tk, tv = (_to_tiled(x, layout) for x in (q, k, v))
+    tq, tk, tv = (to_tiled(x, layout) for x in (q, k, v))
     rows = []
     for mode, with_gate in CASES:
         gate = gate_t if with_gate else None
         label = f"{mode}{' + gate' if with_gate else ''}"
         problem = validate(tq, tk, tv, tail=False, block_len=layout.block_len,
-                           coarse_gate=_tiled_gate(gate, tq, layout))
+                           coarse_gate=tiled_gate(gate, tq, layout))
         n_video = problem.n - P
         k_vid = vsa_topk_from_sparsity(SPARSITY, n_video)
         with torch.no_grad():

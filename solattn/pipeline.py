@@ -1,0 +1,314 @@
+"""One op pipeline behind ``sol_attn`` and ``video_sparse_attn``: the ``torch.library`` custom op
+``solattn::sol_attn``, its fake, its autograd and its backward op ``solattn::sol_attn_backward``.
+
+A call runs layout -> problem -> dispatch -> selection (the plan) -> backend -> layout back.
+The two front doors differ only in their :class:`Route`: ``sol_attn`` (:class:`Route`) runs the
+caller's tokens as they are and selects with Sol-Attn's rule (:func:`solattn.routing.build_plan`);
+``video_sparse_attn`` (:class:`VideoRoute`) tiles prefix segments and video cubes
+(:mod:`solattn.tiling`), selects with VSA's rule (:func:`solattn.routing.build_vsa_plan`) among
+the backends that consume a plan, and returns rows in raw token order.
+
+The front doors validate (metadata only, so it also runs while ``torch.compile`` traces with
+fake tensors) and call the op, or its computation :func:`forward` directly for a plain eager
+call (:mod:`solattn.modes`). The fake makes ``torch.compile(fullgraph=True)`` and
+``torch.export`` see one node. Autograd follows the backend that ran the forward
+(``Backend.differentiation``, :mod:`solattn.backward`): a backend with its own backward fills the
+op's extra outputs and differentiates; otherwise the backward recomputes through a
+differentiable backend. A traced backward (compiled training) is the one opaque op
+``solattn::sol_attn_backward``, which decides at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import dispatch, tiling
+from .backends.base import Backend
+from .backward import (PLANS, backward_buffers, fake_fused, fake_grads, fused_grads, fused_plan_allowed,
+                       grads_as_outputs, grads_from_outputs, own_backward, recompute_grads, run_for_backward)
+from .modes import autograd_dispatch, forward_settings, traced
+from .routing import build_plan, build_vsa_plan
+from .validation import Problem, validate
+
+Tensor = torch.Tensor
+
+
+class Call(NamedTuple):
+    """The op's arguments that are neither tensors nor the backend choice, in the op's order."""
+
+    tau: float
+    scale: Optional[float]
+    sink_blocks: Optional[List[int]]
+    sink_q: Optional[List[int]]
+    topk_ratio: float
+    tail: bool
+    token_aug: int
+    #: VSA's latent grid ``(t, h, w)``; None for ``sol_attn``
+    grid: Optional[List[int]]
+    #: VSA: video tiles kept per query tile, prefix segment lengths, prefix mode
+    k_vid: int
+    segments: List[int]
+    prefix_mode: str
+
+
+class Route:
+    """``sol_attn``'s route: the caller's token layout and Sol-Attn's selection."""
+
+    def __init__(self, call: Call):
+        self.call = call
+
+    def rows(self) -> Optional[int]:
+        """Rows of the layout the backend runs on, when they are not q's."""
+        return None
+
+    def tiled(self, x: Tensor) -> Tensor:
+        """Caller's rows (dim 1) -> the backend's."""
+        return x
+
+    def untiled(self, x: Tensor) -> Tensor:
+        """The backend's rows (dim 1) -> the caller's."""
+        return x
+
+    def gate(self, gate: Optional[Tensor], tq: Tensor) -> Optional[Tensor]:
+        """The coarse gate in the backend's layout (``tq``: q in that layout)."""
+        return gate
+
+    def problem(self, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], key_bias: Optional[Tensor],
+                block_len: Optional[Tensor]) -> Problem:
+        """The validated problem of the backend's layout."""
+        c = self.call
+        return validate(q, k, v, c.tau, c.scale, c.sink_blocks, c.sink_q, key_bias, c.topk_ratio, c.tail,
+                        block_len, gate, c.token_aug)
+
+    def requested(self, requested: Optional[str]) -> Optional[str]:
+        """The backend asked for by name (checked that it can serve this route), or None."""
+        return requested
+
+    def choose(self, problem: Problem, requested: Optional[str]) -> Backend:
+        return dispatch.choose(problem, requested)
+
+    def plan(self, problem: Problem, fused: bool = False):
+        """The selection rule: the routing plan of ``problem``."""
+        return build_plan(problem, fused=fused)
+
+
+class VideoRoute(Route):
+    """``video_sparse_attn``'s route: prefix segments and video cubes tiled into 64-row blocks,
+    VSA's selection, only backends that consume a routing plan."""
+
+    def __init__(self, call: Call, device: torch.device):
+        super().__init__(call)
+        self.device = device
+
+    @functools.cached_property
+    def layout(self) -> tiling.Layout:
+        return tiling.layout(tuple(self.call.grid), tiling.DEFAULT_CUBE, tuple(self.call.segments), self.device)
+
+    def rows(self) -> int:
+        return tiling.tiled_rows(self.call.grid, self.call.segments)
+
+    def tiled(self, x: Tensor) -> Tensor:
+        return tiling.to_tiled(x, self.layout)
+
+    def untiled(self, x: Tensor) -> Tensor:
+        return x.index_select(1, self.layout.slots)
+
+    def gate(self, gate, tq):
+        return tiling.tiled_gate(gate, tq, self.layout)
+
+    def problem(self, q, k, v, gate, key_bias, block_len) -> Problem:
+        """Marked ``dead_rows_zero``: :func:`solattn.tiling.to_tiled` wrote zeros into the dead
+        rows, so block sums and TMA loads may read them. The forward and the backward's rebuild
+        take the problem from here, so both sum the same way."""
+        problem = validate(q, k, v, scale=self.call.scale, tail=False, block_len=self.layout.block_len,
+                           coarse_gate=gate)
+        return dataclasses.replace(problem, dead_rows_zero=True)
+
+    def requested(self, requested: Optional[str]) -> Optional[str]:
+        backend = plan_backend(requested)
+        return backend.name if backend is not None else None
+
+    def choose(self, problem, requested):
+        return dispatch.choose(problem, requested, plan_only=True)
+
+    def plan(self, problem, fused=False):
+        c = self.call
+        return build_vsa_plan(problem, c.k_vid, self.layout.num_prefix_blocks, c.prefix_mode, fused=fused)
+
+
+def plan_backend(requested: Optional[str]) -> Optional[Backend]:
+    """The backend asked for by ``backend=`` or ``use_backend``, checked to consume plans; or None.
+
+    The ``reference`` backend recomputes ``sol_attn``'s own selection and ignores plans, so it
+    cannot serve VSA: asking for it (or for any backend with ``uses_plan=False``) is an error.
+    """
+    explicit = requested or dispatch.forced_backend()
+    if not explicit:
+        return None
+    backend = dispatch.get_backend(explicit)
+    if not backend.uses_plan:
+        usable = [n for n in dispatch.registered() if dispatch.get_backend(n).uses_plan]
+        raise dispatch.BackendError(
+            f"video_sparse_attn: backend '{backend.name}' cannot serve VSA: it does not consume a "
+            f"routing plan, so it would apply sol_attn's own selection instead of VSA's. "
+            f"Backends that consume plans: {', '.join(usable) or 'none registered'}")
+    return backend
+
+
+def route_of(call: Call, device: torch.device) -> Route:
+    return Route(call) if call.grid is None else VideoRoute(call, device)
+
+
+def run(route: Route, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], key_bias: Optional[Tensor],
+        block_len: Optional[Tensor], requested: Optional[str],
+        buffers: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """Layout, problem, dispatch, plan, backend, layout back: ``(out, fused)`` in the caller's
+    layout, ``fused`` as :func:`solattn.backward.run_for_backward` returns it when ``buffers``
+    (``(lse, resid)`` from :func:`backward_buffers`) are given, else None. Autograd records
+    as the chosen backend allows (the backward's recomputation runs here)."""
+    requested = route.requested(requested)
+    tq, tk, tv = (route.tiled(x) for x in (q, k, v))
+    problem = route.problem(tq, tk, tv, route.gate(gate, tq), key_bias, block_len)
+    chosen = route.choose(problem, requested)
+    want = buffers is not None and buffers[0].numel() > 0
+    plan = route.plan(problem, fused=fused_plan_allowed(chosen, problem, want)) if chosen.uses_plan else None
+    if buffers is None:
+        return route.untiled(chosen.forward(problem, plan)), None
+    out, fused = run_for_backward(chosen, problem, plan, *buffers)
+    return route.untiled(out), fused
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],
+            sink_blocks: Optional[List[int]], sink_q: Optional[List[int]], key_bias: Optional[Tensor],
+            topk_ratio: float, tail: bool, block_len: Optional[Tensor], coarse_gate: Optional[Tensor],
+            token_aug: int, backend: str, want_lse: bool, grid: Optional[List[int]], k_vid: int,
+            segments: List[int], prefix_mode: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The op's computation: ``(out, lse, resid, fused)``, where ``lse``, ``resid`` (in the
+    backend's layout) and the CPU tensor ``fused`` are for the backward; ``want_lse``: a
+    backward may follow."""
+    call = Call(tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode)
+    route = route_of(call, q.device)
+    with torch.no_grad():  # the forward never records autograd
+        lse, resid = backward_buffers(q, v, want_lse, route.rows())
+        out, fused = run(route, q, k, v, coarse_gate, key_bias, block_len, backend or None, (lse, resid))
+        return out, lse, resid, fused
+
+
+@torch.library.custom_op("solattn::sol_attn", mutates_args=())
+def sol_attn_op(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],
+                sink_blocks: Optional[List[int]], sink_q: Optional[List[int]], key_bias: Optional[Tensor],
+                topk_ratio: float, tail: bool, block_len: Optional[Tensor], coarse_gate: Optional[Tensor],
+                token_aug: int, backend: str, want_lse: bool, grid: Optional[List[int]], k_vid: int,
+                segments: List[int], prefix_mode: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """See :func:`forward`."""
+    return forward(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate,
+                   token_aug, backend, want_lse, grid, k_vid, segments, prefix_mode)
+
+
+@sol_attn_op.register_fake
+def _(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate, token_aug,
+      backend, want_lse, grid, k_vid, segments, prefix_mode):
+    rows = None if grid is None else tiling.tiled_rows(grid, segments)
+    return (torch.empty(q.shape, dtype=v.dtype, device=v.device), *backward_buffers(q, v, want_lse, rows),
+            fake_fused())
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate, \
+        token_aug, backend, want_lse, grid, k_vid, segments, prefix_mode = inputs
+    out, lse, resid, fused = output
+    ctx.mark_non_differentiable(lse, resid, fused)
+    ctx.save_for_backward(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused)
+    ctx.args = (tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode,
+                backend)
+    ctx.settings = forward_settings()
+    ctx.plan = PLANS.take(fused)
+
+
+def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out,
+           tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode,
+           backend, bias_grad: bool, gate_grad: bool, settings=None, plan=None):
+    """``(dq, dk, dv, dgate, dbias)`` of the op (None where not asked for): the own backward of
+    the backend that ran the forward, else a recomputation through a differentiable backend.
+    ``settings``, ``plan``: the forward's context and kept plan, when the backward runs eagerly."""
+    call = Call(tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode)
+    route = route_of(call, q.device)
+    gate = coarse_gate
+    own = own_backward(lse, fused)
+    if own is None:
+        def recompute(leaves, name):
+            qd, kd, vd, gd, bd = leaves
+            return run(route, qd, kd, vd, gd, key_bias if bd is None else bd, block_len, name)[0]
+
+        gq, gk, gv, gg, gb = recompute_grads(recompute, (q, k, v, gate, key_bias if bias_grad else None), grad_out,
+                                             backend or None, required={4: "key_bias"}, settings=settings)
+        return gq, gk, gv, gg if gate_grad else None, gb
+
+    tq, tk, tv = (route.tiled(x) for x in (q, k, v))
+    tg = route.gate(gate, tq)
+
+    def problem_of(qd, kd, vd):
+        return route.problem(qd, kd, vd, tg, key_bias, block_len)
+
+    gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, (tq, tk, tv), route.tiled(out), lse, resid,
+                                     route.tiled(grad_out), bias_grad=bias_grad, settings=settings, saved=plan)
+    gq, gk, gv = (route.untiled(g) for g in (gq, gk, gv))
+    if gg is not None and gate_grad:                 # a constant (0-dim) gate sums its rows' gradients
+        gg = (gg.sum() if gate.dim() == 0 else route.untiled(gg)).to(gate.dtype)
+    else:
+        gg = None
+    if gb is not None:                       # (B or 1, T) summed over heads -> key_bias's shape
+        if key_bias.numel() != gb.numel():
+            gb = gb.sum(dim=0, keepdim=True)
+        gb = gb.reshape(key_bias.shape).to(key_bias.dtype)
+    return gq, gk, gv, gg, gb
+
+
+def _grad_like(q, k, v, key_bias, coarse_gate, bias_grad: bool, gate_grad: bool):
+    """The inputs the backward op returns gradients for (None: an empty result), for it and its fake."""
+    return q, k, v, coarse_gate if gate_grad else None, key_bias if bias_grad else None
+
+
+@torch.library.custom_op("solattn::sol_attn_backward", mutates_args=())
+def sol_attn_backward_op(q: Tensor, k: Tensor, v: Tensor, key_bias: Optional[Tensor], block_len: Optional[Tensor],
+                         coarse_gate: Optional[Tensor], out: Tensor, lse: Tensor, resid: Tensor, fused: Tensor,
+                         grad_out: Tensor, tau: float, scale: Optional[float], sink_blocks: Optional[List[int]],
+                         sink_q: Optional[List[int]], topk_ratio: float, tail: bool, token_aug: int,
+                         grid: Optional[List[int]], k_vid: int, segments: List[int], prefix_mode: str,
+                         backend: str, bias_grad: bool, gate_grad: bool
+                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward of ``solattn::sol_attn`` as one op, for a traced backward (compiled training,
+    ``fullgraph=True`` included): :func:`_grads`, absent gradients as ``(0,)`` tensors."""
+    with autograd_dispatch():
+        grads = _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out, tau, scale,
+                       sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode,
+                       backend, bias_grad, gate_grad)
+    return grads_as_outputs(grads, _grad_like(q, k, v, key_bias, coarse_gate, bias_grad, gate_grad),
+                            (q, k, v, key_bias, block_len, coarse_gate, out, grad_out))
+
+
+@sol_attn_backward_op.register_fake
+def _(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out, tau, scale, sink_blocks,
+      sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode, backend, bias_grad, gate_grad):
+    return fake_grads(_grad_like(q, k, v, key_bias, coarse_gate, bias_grad, gate_grad), q)
+
+
+def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
+    q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused = ctx.saved_tensors
+    # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
+    bias_grad = bool(ctx.needs_input_grad[7] and key_bias is not None and key_bias.is_floating_point())
+    gate_grad = bool(ctx.needs_input_grad[11] and coarse_gate is not None)
+    saved = (q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out, *ctx.args,
+             bias_grad, gate_grad)
+    if traced(grad_out):     # the branch on the forward's ``fused`` flag reads data: one opaque op
+        gq, gk, gv, gg, gb = grads_from_outputs(sol_attn_backward_op(*saved))
+    else:
+        gq, gk, gv, gg, gb = _grads(*saved, settings=ctx.settings, plan=ctx.plan)
+    return gq, gk, gv, None, None, None, None, gb, None, None, None, gg, None, None, None, None, None, None, None
+
+
+sol_attn_op.register_autograd(_backward, setup_context=_setup_context)
