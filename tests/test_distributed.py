@@ -83,6 +83,10 @@ CASES = {
                                kwargs=dict(grid=(3, 6, 5), prefix_len=40, topk=2)),
     "err_shard_lens_disagree": dict(kind="sol", B=1, T=128, H=2, D=16, lens=[60, 68], pass_lens=True,
                                     rank1=dict(shard_lens=[50, 68]), kwargs=dict(topk_ratio=0.25)),
+    "err_head_groups_differ": dict(kind="sol", B=1, T=128, H=4, D=16, head_groups=2, rank1=dict(head_groups=1),
+                                   kwargs=dict(topk_ratio=0.25)),
+    "err_autograd_differs": dict(kind="sol", B=1, T=128, H=2, D=16, rank1=dict(grad=True),
+                                 kwargs=dict(topk_ratio=0.25)),
 }
 ERROR_BOUND_S = 15   # every rank raises within this (the worker's process-group timeout is longer)
 PG_TIMEOUT_S = 45
@@ -347,6 +351,10 @@ ERRORS = {   # case -> (exception type, pattern every rank's identical message m
     "err_tau_nan": ("ValueError", r"solattn.distributed.sol_attn: argument 'tau' received nan"),
     "err_tau_nan_one_rank": ("ValueError", r"argument 'tau' differs across ranks \(rank 0: 1.0, rank 1: nan\)"),
     "err_topk_differs": ("ValueError", r"argument 'topk_ratio' differs across ranks \(rank 0: 0.3, rank 1: 0.6\)"),
+    "err_head_groups_differ": ("ValueError", r"argument 'head_groups' differs across ranks \(rank 0: 2, rank 1: 1\)"),
+    "err_autograd_differs": ("ValueError", r"argument 'grad mode, requires_grad of q, k, v, coarse_gate' differs "
+                                           r"across ranks \(rank 0: l\[True, False, False, False, False\], "
+                                           r"rank 1: l\[True, True, True, True, False\]\)"),
     "err_prefix_differs": ("ValueError", r"argument 'prefix_len' differs across ranks \(rank 0: 40, "
                                          r"rank 1: l\[20, 20\]\)"),
 }
