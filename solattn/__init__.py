@@ -13,6 +13,7 @@ dispatcher, the built-in backend classes) stay reachable from their modules, e.g
 from . import dispatch as _dispatch
 from .backends.base import Backend
 from .backends.reference import ReferenceBackend as _ReferenceBackend
+from .backends.flex import FlexBackend as _FlexBackend
 from .backends.sdpa import SdpaBackend as _SdpaBackend
 from .budget import memory_budget, set_memory_budget
 from .dispatch import BackendError, best_device, list_backends, use_backend
@@ -30,6 +31,7 @@ except ImportError:  # pragma: no cover - only if the package itself is broken
 else:
     _dispatch.register(_TritonBackend())
 _dispatch.register(_SdpaBackend())
+_dispatch.register(_FlexBackend())
 
 __version__ = "0.1.0"
 

@@ -23,12 +23,13 @@ from .validation import Problem
 _REGISTRY: Dict[str, Backend] = {}
 
 #: the built-in backends' order per device type; the first backend with no reasons wins,
-#: names not registered are skipped
+#: names not registered are skipped, and so is a backend whose ``automatic(device_type)``
+#: says False there (``flex``: taken first only where it measured faster, see its module)
 PRIORITY: Dict[str, List[str]] = {
     "cuda": ["triton", "sdpa", "reference"],
-    "xpu": ["sdpa", "triton", "reference"],
+    "xpu": ["flex", "sdpa", "triton", "reference"],
     "mps": ["sdpa", "reference"],
-    "cpu": ["sdpa", "reference"],
+    "cpu": ["flex", "sdpa", "reference"],
 }
 _DEFAULT_PRIORITY = ["sdpa", "reference"]
 
@@ -126,7 +127,8 @@ def priority(device_type: str) -> List[str]:
     """The registered backends the automatic choice tries on ``device_type``, in order."""
     placed = {n: p.get(device_type, p.get("*")) for n, p in _POSITIONS.items()}
     placed = {n: i for n, i in placed.items() if i is not None}
-    order = [n for n in PRIORITY.get(device_type, _DEFAULT_PRIORITY) if n in _REGISTRY and n not in placed]
+    order = [n for n in PRIORITY.get(device_type, _DEFAULT_PRIORITY) if n in _REGISTRY and n not in placed
+             and getattr(_REGISTRY[n], "automatic", lambda _: True)(device_type)]
     for name, i in placed.items():   # in registration order
         order.insert(min(i, len(order)), name)
     return order

@@ -416,9 +416,9 @@ def test_nothing_can_run_table_walks_the_selection_order(monkeypatch, toy_regist
     lines = str(ei.value).splitlines()[1:]
     shown = [line.split(":")[0].strip() for line in lines]
     walked = [i["name"] for i in solattn.list_backends("cpu")]
-    assert shown == walked == ["toy", "reference", "sdpa", "triton"]
+    assert shown == walked == ["toy", "reference", "flex", "sdpa", "triton"]
     assert lines[0] == "  toy: toy refuses"
-    assert lines[2] == "  sdpa: can run"
+    assert lines[3] == "  sdpa: can run"
 
 
 def _fake_cuda(monkeypatch, capability):

@@ -1,0 +1,175 @@
+"""The ``flex`` backend: the routing plan as FlexAttention's ``BlockMask``, run by compiled
+``torch.nn.attention.flex_attention`` (gather free: the kernel walks ``kv_indices`` itself).
+
+What it needs, and says when missing (:meth:`FlexBackend.device_reasons`): a torch with
+FlexAttention, a working ``torch.compile`` for the device (on the CPU a C++ compiler and
+AVX2), and on XPU an explicit opt-in (``SOLATTN_FLEX_XPU=1``: never run on Intel GPUs here).
+A compilation that fails in a call is recorded as a reason for the device type, the call
+falls back to the next backend of the priority list (a warning says why), and the automatic
+choice skips ``flex`` from then on.
+
+When the automatic choice takes it (:func:`automatic`): on CPUs whose matrix unit (AMX) the
+compiled kernel uses, where it measured faster than the ``sdpa`` backend, and on XPU when
+opted in; elsewhere only by name. ``SOLATTN_FLEX_CPU=1`` / ``=0`` overrides the CPU rule.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import warnings
+from typing import Dict, List
+
+import torch
+
+from ...validation import Problem
+from ..base import ALL_FEATURES, Backend
+from .kernel import call_key, clear_cache, compiled_for, flex_forward, is_compiled, mark_compiled
+
+__all__ = ["FlexBackend", "XPU_OPT_IN", "CPU_SWITCH", "amx_usable", "automatic", "flex_forward",
+           "clear_cache", "failures"]
+
+#: environment variable that opts in to running flex on Intel XPUs
+XPU_OPT_IN = "SOLATTN_FLEX_XPU"
+#: environment variable that overrides the CPU rule of the automatic choice: 1 (take flex first), 0 (never)
+CPU_SWITCH = "SOLATTN_FLEX_CPU"
+
+#: device type -> why a compilation failed there (filled by failed calls; see FlexBackend.forward)
+_failures: Dict[str, str] = {}
+_failures_lock = threading.Lock()
+
+
+def failures() -> Dict[str, str]:
+    """Device types where a compilation failed in this process, and the error."""
+    return dict(_failures)
+
+
+def amx_usable() -> bool:
+    """Whether this CPU has AMX tiles and nothing caps torch below them: ``ONEDNN_MAX_CPU_ISA``
+    set below an AMX level, or ``ATEN_CPU_CAPABILITY`` set below ``avx512``."""
+    probe = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
+    try:
+        if probe is None or not probe():
+            return False
+    except RuntimeError:
+        return False
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if isa and isa not in ("ALL", "DEFAULT") and "AMX" not in isa:
+        return False
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return aten in ("", "avx512", "amx")
+
+
+def automatic(device_type: str) -> bool:
+    """Whether the automatic choice may take ``flex`` on ``device_type`` (it is listed ahead of
+    ``sdpa`` there): CPUs with usable AMX (or ``SOLATTN_FLEX_CPU=1``; ``=0`` never), XPUs opted in
+    with ``SOLATTN_FLEX_XPU=1``. Elsewhere it runs only when asked for by name."""
+    if device_type == "cpu":
+        switch = os.environ.get(CPU_SWITCH, "").strip()
+        if switch in ("0", "1"):
+            return switch == "1"
+        if switch:
+            raise ValueError(f"environment variable {CPU_SWITCH} received {switch!r}; allowed: unset, "
+                             f"'1' (flex first on the CPU) or '0' (never chosen automatically)")
+        return amx_usable()
+    if device_type == "xpu":
+        return os.environ.get(XPU_OPT_IN, "0") == "1"
+    return False
+
+
+def _flex_importable() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _compile_reasons(device: torch.device) -> List[str]:
+    """Why ``torch.compile`` cannot build flex_attention's kernel for ``device`` (cheap checks)."""
+    try:
+        import torch._dynamo
+        if not torch._dynamo.is_dynamo_supported():
+            return [f"torch.compile is not supported on this Python / platform (torch {torch.__version__})"]
+    except Exception as err:  # noqa: BLE001 - any failure here means torch.compile cannot run
+        return [f"torch.compile is unavailable: {type(err).__name__}: {err}"]
+    if device.type == "cpu":
+        avx2 = getattr(torch.cpu, "_is_avx2_supported", lambda: True)()
+        if not avx2 or os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() == "default":
+            return ["torch.compile's CPU flex_attention needs AVX2 (absent, or ATEN_CPU_CAPABILITY=default)"]
+        if not _cpp_compiler():
+            return ["no C++ compiler found for torch.compile's CPU code (install g++/clang, or MSVC on "
+                    "Windows and run from its developer prompt)"]
+    elif device.type in ("cuda", "xpu"):
+        import importlib.util
+        if importlib.util.find_spec("triton") is None:
+            return [f"torch.compile's {device.type} flex_attention needs Triton (pip install triton"
+                    + ("-xpu" if device.type == "xpu" else "") + ")"]
+    return []
+
+
+def _cpp_compiler() -> bool:
+    """A C++ compiler torch.compile's CPU code can use is on this machine."""
+    try:
+        from torch._inductor import config
+        cxx = config.cpp.cxx
+        names = [c for c in (cxx if isinstance(cxx, (tuple, list)) else (cxx,)) if c]
+    except Exception:  # noqa: BLE001 - no inductor config: look for the usual names
+        names = []
+    names += [os.environ.get("CXX", ""), "g++", "clang++", "c++", "cl"]
+    return any(n and shutil.which(n) for n in names)
+
+
+class FlexBackend(Backend):
+    name = "flex"
+    description = ("compiled FlexAttention with the plan as its BlockMask (gather free); chosen "
+                   "automatically on CPUs with AMX and on XPU with SOLATTN_FLEX_XPU=1; the first call "
+                   "of each shape compiles (seconds)")
+    devices = frozenset({"cpu", "cuda", "xpu"})
+    #: forward only: torch 2.13's CPU flex_attention lowering is inference-only, so gradients of a
+    #: call that ran here come from recomputing it on the device's first differentiable backend
+    features = ALL_FEATURES - {"autograd"}
+
+    def automatic(self, device_type: str) -> bool:
+        """Whether the automatic choice may take this backend on ``device_type`` (:func:`automatic`)."""
+        return automatic(device_type)
+
+    def device_reasons(self, device: torch.device) -> List[str]:
+        if not _flex_importable():
+            return [f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs torch 2.5+)"]
+        if device.type == "xpu" and os.environ.get(XPU_OPT_IN, "0") != "1":
+            return [f"not yet run on real Intel hardware, so xpu needs an explicit opt-in: set {XPU_OPT_IN}=1"]
+        reasons = _compile_reasons(device)
+        failed = _failures.get(device.type)
+        if failed:
+            reasons.append(f"torch.compile failed here earlier: {failed}")
+        return reasons
+
+    def forward(self, problem: Problem, plan=None) -> torch.Tensor:
+        if plan is None:
+            raise ValueError("flex backend: forward needs the routing plan (solattn.routing.build_plan(problem))")
+        key = call_key(problem, plan)
+        if is_compiled(key):
+            return flex_forward(problem, plan)
+        try:
+            out = flex_forward(problem, plan)
+        except Exception as err:  # noqa: BLE001 - a failed compilation must not fail the call
+            return self._fall_back(problem, plan, err)
+        mark_compiled(key)
+        return out
+
+    def _fall_back(self, problem: Problem, plan, err: Exception) -> torch.Tensor:
+        """Record why compiling failed on this device type and run the call on the next backend."""
+        from ... import dispatch
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        why = f"{type(err).__name__}: {first[:300]} (at {problem.describe()})"
+        with _failures_lock:
+            _failures[problem.device.type] = why
+        clear_cache()
+        with dispatch.without_forced_backend():
+            backend = dispatch.choose(problem)
+        warnings.warn(f"solattn: the flex backend could not compile this call ({why}); it ran on "
+                      f"'{backend.name}' instead, and flex is skipped on {problem.device.type} from now on",
+                      RuntimeWarning, stacklevel=4)
+        return backend.forward(problem, plan if backend.uses_plan else None)

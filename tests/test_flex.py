@@ -1,0 +1,215 @@
+"""The ``flex`` backend: its plan-to-BlockMask conversion against the reference, one compilation
+per shape, and its capability reasons (a failed or impossible compilation never fails a call).
+
+The generic matrix (every feature and dtype against the reference, ragged lengths, strides,
+dead rows, gradients through the recompute) runs it from tests/test_backends.py like every
+registered backend; here are the properties that are flex's own. Compiling takes seconds per
+shape on the CPU, so the tests reuse few shapes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import solattn
+import solattn.backends.flex as flex
+from solattn import BLOCK, dispatch
+from solattn.backends.flex import kernel
+from solattn.testing import live_rows, make_qkv, rel_l2, tolerance
+from solattn.validation import validate
+
+pytestmark = pytest.mark.skipif(bool(flex.FlexBackend().availability_reasons("cpu")),
+                                reason="flex cannot compile on this machine's CPU")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No recorded failures before or after the test, and the automatic CPU rule not overridden."""
+    monkeypatch.delenv(flex.CPU_SWITCH, raising=False)
+    flex._failures.clear()
+    yield
+    failed = flex.failures()
+    flex._failures.clear()
+    assert not failed, f"a compilation failed: {failed}"
+
+
+def _inputs(dtype=torch.bfloat16, seed=0, B=2, T=5 * BLOCK - 17, H=2, D=32):
+    return make_qkv(B, T, H, D, dtype=dtype, device="cpu", seed=seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_feature_at_once_matches_reference(dtype, fresh):
+    """Tail, per-batch key_bias, block_len, sinks, coarse gate, B > 1, T not a multiple of 64."""
+    q, k, v = _inputs(dtype)
+    B, T, H, D = q.shape
+    g = torch.Generator().manual_seed(3)
+    bl = torch.tensor([64, 40, 64, 17, 44], dtype=torch.int32)
+    kw = dict(topk_ratio=0.3, key_bias=torch.randn(B, T, generator=g) * 2, block_len=bl,
+              coarse_gate=torch.randn(B, T, H, D, generator=g).to(dtype), sink_blocks=(0, 1), sink_q=(4, 5))
+    got = solattn.sol_attn(q, k, v, backend="flex", **kw)
+    want = solattn.sol_attn(q, k, v, backend="reference", **kw)
+    live = live_rows(T, bl)
+    assert got.dtype == dtype and got.shape == q.shape and got.is_contiguous()
+    assert torch.isfinite(got).all()
+    assert rel_l2(got[:, live], want[:, live]) < tolerance(dtype)
+
+
+@pytest.mark.slow
+def test_tau_mode_tail_with_empty_and_full_tails(fresh):
+    """tau = -inf keeps every block (empty tail: the tail slot's logit is -inf); a high tau
+    keeps only the forced neighbours (the tail carries most of the weight)."""
+    q, k, v = _inputs(torch.float32, seed=4)
+    for tau in (-1e9, 0.5, 3.0):
+        got = solattn.sol_attn(q, k, v, tau=tau, backend="flex")
+        want = solattn.sol_attn(q, k, v, tau=tau, backend="reference")
+        assert rel_l2(got, want) < tolerance(torch.float32), tau
+
+
+def test_block_lists_split_partial_and_full_blocks():
+    """The BlockMask's lists hold exactly the plan's blocks (plus the tail slot's block),
+    ascending, partial (dead rows, tail) apart from full ones, at a width fixed by n."""
+    from solattn.routing import build_plan
+    q, k, v = _inputs(torch.float32, seed=2, B=1, T=4 * BLOCK + 10, H=2)
+    bl = torch.tensor([64, 30, 64, 64, 10], dtype=torch.int32)
+    p = validate(q, k, v, topk_ratio=0.5, block_len=bl)
+    plan = build_plan(p)
+    key = kernel.call_key(p, plan)
+    num, idx, fnum, fidx = kernel._block_lists(key, plan)
+    n = p.n
+    assert idx.shape[-1] == n + 1 and fidx.shape[-1] == n + 1
+    partial = {1, 4}
+    for b in range(1):
+        for h in range(2):
+            for i in range(n):
+                want = plan.kv_indices[b, h, i, :plan.kv_num_blocks[b, h, i]].tolist()
+                got_partial = idx[b, h, i, :num[b, h, i]].tolist()
+                got_full = fidx[b, h, i, :fnum[b, h, i]].tolist()
+                assert got_partial == [j for j in want if j in partial] + [n + i // BLOCK]
+                assert got_full == [j for j in want if j not in partial]
+
+
+@pytest.mark.slow
+def test_repeated_calls_with_new_tensors_do_not_recompile(fresh):
+    """One compilation per shape: later calls with new tensors of that shape (new selections,
+    new kv_indices widths in tau mode) run the cached code without tracing again."""
+    from torch._dynamo.utils import counters
+    q, k, v = _inputs(torch.bfloat16, seed=8)
+    solattn.sol_attn(q, k, v, tau=0.5, backend="flex")
+    frames = dict(counters["frames"])
+    compiles = len(kernel.cached_keys())
+    for seed in (9, 10, 11):
+        q, k, v = _inputs(torch.bfloat16, seed=seed)
+        got = solattn.sol_attn(q, k, v, tau=0.5 + 0.3 * (seed - 9), backend="flex")
+        want = solattn.sol_attn(q, k, v, tau=0.5 + 0.3 * (seed - 9), backend="reference")
+        assert rel_l2(got, want) < tolerance(torch.bfloat16)
+    assert dict(counters["frames"]) == frames
+    assert len(kernel.cached_keys()) == compiles
+
+
+def test_forced_compile_failure_falls_back_and_is_reported(fresh, monkeypatch):
+    """A compilation that fails inside a call: the call returns the next backend's result with a
+    warning, list_backends shows why, and the automatic choice skips flex from then on."""
+    monkeypatch.setenv(flex.CPU_SWITCH, "1")
+    kernel.clear_cache()
+
+    def broken(key):
+        def run(*args):
+            raise RuntimeError("C++ compile error: simulated missing compiler")
+        return run
+
+    monkeypatch.setattr(kernel, "compile_fn", broken)
+    q, k, v = _inputs(torch.float32, seed=1, B=1, T=3 * BLOCK, H=1, D=16)
+    p = validate(q, k, v, topk_ratio=0.5)
+    assert dispatch.choose(p).name == "flex"
+    with pytest.warns(RuntimeWarning, match="could not compile"):
+        got = solattn.sol_attn(q, k, v, topk_ratio=0.5)
+    want = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="sdpa")
+    assert torch.equal(got, want)
+    row = next(b for b in solattn.list_backends("cpu") if b["name"] == "flex")
+    assert not row["available"] and "simulated missing compiler" in row["reasons"][0]
+    assert dispatch.choose(p).name == "sdpa"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(solattn.sol_attn(q, k, v, topk_ratio=0.5), want)
+    with pytest.raises(solattn.BackendError, match="simulated missing compiler"):
+        solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="flex")
+    kernel.clear_cache()
+    flex._failures.clear()
+
+
+def test_reasons_without_compiler_or_flex(fresh, monkeypatch):
+    """No C++ compiler (Windows without MSVC) or a torch without flex_attention: the reason is
+    listed, and the automatic choice takes sdpa even where flex would come first."""
+    monkeypatch.setenv(flex.CPU_SWITCH, "1")
+    q, k, v = _inputs(torch.float32, seed=1, B=1, T=2 * BLOCK, H=1, D=16)
+    p = validate(q, k, v, topk_ratio=0.5)
+    monkeypatch.setattr(flex, "_cpp_compiler", lambda: False)
+    reasons = flex.FlexBackend().availability_reasons("cpu")
+    assert reasons and "C++ compiler" in reasons[0]
+    assert dispatch.choose(p).name == "sdpa"
+    monkeypatch.setattr(flex, "_flex_importable", lambda: False)
+    assert "flex_attention" in flex.FlexBackend().availability_reasons("cpu")[0]
+    assert dispatch.choose(p).name == "sdpa"
+
+
+def test_automatic_choice_follows_amx_and_switches(fresh, monkeypatch):
+    """flex comes before sdpa on the CPU only with usable AMX (or SOLATTN_FLEX_CPU=1); capping
+    oneDNN or ATen below AMX, or SOLATTN_FLEX_CPU=0, puts sdpa first; XPU needs its opt-in."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert dispatch.priority("cpu")[:2] == ["flex", "sdpa"]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    assert dispatch.priority("cpu")[0] == "sdpa"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert dispatch.priority("cpu")[0] == "flex"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert dispatch.priority("cpu")[0] == "sdpa"
+    monkeypatch.setenv(flex.CPU_SWITCH, "1")
+    assert dispatch.priority("cpu")[0] == "flex"
+    monkeypatch.setenv(flex.CPU_SWITCH, "0")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert "flex" not in dispatch.priority("cpu")
+    monkeypatch.setenv(flex.CPU_SWITCH, "yes")
+    with pytest.raises(ValueError, match="SOLATTN_FLEX_CPU"):
+        dispatch.priority("cpu")
+    monkeypatch.delenv(flex.CPU_SWITCH)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert dispatch.priority("cpu")[0] == "sdpa"
+    monkeypatch.delenv(flex.XPU_OPT_IN, raising=False)
+    assert "flex" not in dispatch.priority("xpu")
+    assert "SOLATTN_FLEX_XPU" in flex.FlexBackend().availability_reasons("xpu")[0]
+    monkeypatch.setenv(flex.XPU_OPT_IN, "1")
+    assert dispatch.priority("xpu")[0] == "flex"
+
+
+@pytest.mark.slow
+def test_training_call_recomputes_gradients_elsewhere(fresh):
+    """flex is forward only: a call with gradients runs and differentiates on a differentiable
+    backend, and its gradients equal the reference's."""
+    q, k, v = _inputs(torch.float32, seed=5, B=1, T=2 * BLOCK + 9, H=2, D=16)
+    grads = {}
+    for name in ("flex", "reference"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = solattn.sol_attn(*leaves, topk_ratio=0.5, backend=name)
+        out.square().sum().backward()
+        grads[name] = [x.grad for x in leaves]
+    for a, b in zip(grads["flex"], grads["reference"]):
+        assert rel_l2(a, b) < 1e-4
+
+
+@pytest.mark.slow
+def test_video_sparse_attn_on_flex_matches_sdpa(fresh):
+    """VSA (tiled layout, partial edge cubes as block_len, coarse gate) through the flex backend."""
+    grid = (3, 6, 7)
+    T = 3 * 6 * 7
+    g = torch.Generator().manual_seed(0)
+    q, k, v, gate = (torch.randn(1, T, 2, 32, generator=g).to(torch.bfloat16) for _ in range(4))
+    got = solattn.video_sparse_attn(q, k, v, grid, sparsity=0.5, gate=gate, backend="flex")
+    want = solattn.video_sparse_attn(q, k, v, grid, sparsity=0.5, gate=gate, backend="sdpa")
+    assert got.shape == q.shape and torch.isfinite(got).all()
+    assert rel_l2(got, want) < tolerance(torch.bfloat16)
