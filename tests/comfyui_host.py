@@ -114,11 +114,12 @@ class _Lines(logging.Handler):
         self.lines.append(f"{record.name}: {record.getMessage()}")
 
 
-def start_comfyui(comfyui, base):
-    """Import ComfyUI as its PROVENANCE describes: CPU, base directory ``base``, args parsed."""
+def start_comfyui(comfyui, base, device="cpu"):
+    """Import ComfyUI with base directory ``base`` and its arguments parsed: on the CPU
+    (``--cpu``), or with ``device`` "gpu" on the accelerator ComfyUI finds."""
     for sub in ("models/diffusion_models", "custom_nodes", "input", "output", "temp", "user"):
         os.makedirs(os.path.join(base, sub), exist_ok=True)
-    sys.argv = [sys.argv[0], "--cpu", "--base-directory", base]
+    sys.argv = [sys.argv[0]] + (["--cpu"] if device == "cpu" else []) + ["--base-directory", base]
     sys.path.insert(0, comfyui)
     if ROOT not in sys.path:
         sys.path.insert(1, ROOT)
@@ -273,6 +274,59 @@ def inspect_node_folder(nodes):
     return result
 
 
+def benchmark(cfg, nodes, execution, ckpt, latent_path):
+    """Sampling time and extra resident memory of each variant (``cfg["benchmark"]["variants"]``: name
+    -> patch nodes), run alternately in one process, ``repeats`` times each, through one executor.
+    Time covers ``comfy.sample.sample`` (the denoising loop) only; memory is the peak resident set
+    above the one at its start, sampled every 2 ms."""
+    import threading
+    import comfy.sample
+    import psutil
+    proc = psutil.Process()
+    sample, timings = comfy.sample.sample, []
+
+    def timed(*args, **kwargs):
+        start_rss, peak, done = proc.memory_info().rss, [0], threading.Event()
+
+        def watch():
+            while not done.wait(0.002):
+                peak[0] = max(peak[0], proc.memory_info().rss)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        t0 = time.perf_counter()
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - t0
+            done.set()
+            watcher.join()
+            timings.append((seconds, max(peak[0], proc.memory_info().rss) - start_rss))
+
+    comfy.sample.sample = timed
+    executor = execution.PromptExecutor(_Server(), cache_type=execution.CacheType.CLASSIC,
+                                        cache_args={"lru": 0, "ram": 16.0, "ram_inactive": 16.0})
+    bench = cfg["benchmark"]
+    rows = {name: [] for name in bench["variants"]}
+    for repeat in range(bench.get("repeats", 2) + 1):           # the first round warms up, not kept
+        for name, patches in bench["variants"].items():
+            prompt = build_prompt({**cfg, "patches": patches}, ckpt, latent_path)
+            prompt["4"]["inputs"]["seed"] = 100 + repeat         # a new seed: the executor runs it again
+            valid = asyncio.run(execution.validate_prompt(name, prompt, None))
+            if not valid[0]:
+                raise RuntimeError(f"{name}: the prompt does not validate: {valid[1:]}")
+            executor.execute(prompt, name, {}, valid[2])
+            if not executor.success:
+                raise RuntimeError(f"{name}: {executor.status_messages[-1]}")
+            if repeat:
+                rows[name].append(timings[-1])
+    from comfy_extras.nodes_minimax_h3 import temporal_shape
+    _, latent_t, audio_t = temporal_shape(cfg.get("length", 22))
+    grid = (latent_t, cfg.get("height", 256) // 32, cfg.get("width", 512) // 32)
+    return {"rows": {name: {"seconds": [t for t, _ in r], "extra_rss_bytes": [m for _, m in r]}
+                     for name, r in rows.items()},
+            "video_grid": grid, "tokens": cfg.get("text_tokens", 77) + 2 * audio_t + math.prod(grid)}
+
+
 def main(config_path):
     with open(config_path) as f:
         cfg = json.load(f)
@@ -280,7 +334,7 @@ def main(config_path):
     lines = _Lines()
     logging.getLogger().addHandler(lines)
     logging.getLogger().setLevel(logging.INFO)
-    nodes, execution = start_comfyui(cfg["comfyui"], base)
+    nodes, execution = start_comfyui(cfg["comfyui"], base, cfg.get("device", "cpu"))
     load_node_folders(nodes, base, [NODE_FOLDER, TEST_NODES] + cfg.get("extra_node_folders", []))
     if cfg.get("inspect"):
         return inspect_node_folder(nodes), lines, cfg
@@ -290,6 +344,8 @@ def main(config_path):
     capture = AttentionCapture() if cfg.get("capture") else None
 
     latent_path = os.path.join(base, "latent.pt")
+    if cfg.get("benchmark"):
+        return benchmark(cfg, nodes, execution, ckpt, latent_path), lines, cfg
     prompt = build_prompt(cfg, ckpt, latent_path)
     result = {"node_types": sorted(n["class_type"] for n in prompt.values())}
     valid = asyncio.run(execution.validate_prompt("p1", prompt, None))

@@ -23,7 +23,10 @@ pytestmark = pytest.mark.skipif(
     reason=("SOLATTN_COMFYUI is not set to a ComfyUI tree (a folder with execution.py); "
             f"got {COMFYUI!r}. Set it, e.g. to ../shared/third_party/comfyui, to run the node in ComfyUI"))
 
+#: "cpu" (ComfyUI's --cpu), or "gpu": the accelerator ComfyUI finds (its default dtype, e.g. bf16)
+DEVICE = os.environ.get("SOLATTN_COMFYUI_DEVICE", "cpu")
 NODE = "SolAttnModelSparseAttention"
+BUILTIN = "BlockSparseAttention"     # ComfyUI's own "Model Sparse Attention" node
 PREFIX = "solattn.comfyui: Model Sparse Attention (solattn): "
 #: the tiny model's video is a (7, 8, 16) grid: 2 x 2 x 4 = 16 cubes; keep 25 % -> 4 per query cube
 KEEP = 25.0
@@ -35,7 +38,8 @@ def run_host(tmp_path, **cfg):
     base.mkdir()
     result = tmp_path / "result.json"
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"comfyui": COMFYUI, "base": str(base), "result": str(result), **cfg}))
+    config.write_text(json.dumps({"comfyui": COMFYUI, "base": str(base), "result": str(result), "device": DEVICE,
+                                  **cfg}))
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     # torchvision / torchaudio stand-ins for the ComfyUI process only: SOLATTN_COMFYUI_STUBS, else
     # a comfyui-stubs folder beside the ComfyUI tree
@@ -67,6 +71,7 @@ def assert_completed(result):
 #: the nested inputs of each method (the node's "selection", shown as "method"), as in the built-in node
 NESTED = {"auto": ("tau", "keep_percent", "vsa_prefix"), "sol-attn": ("tau",), "sla": ("keep_percent",),
           "vsa": ("keep_percent", "vsa_prefix")}
+BUILTIN_NESTED = {"sol-attn": ("tau",), "sla": ("keep_percent",), "vsa": ("keep_percent",)}
 
 
 def sparse_node(method, class_type=NODE, **inputs):
@@ -74,11 +79,11 @@ def sparse_node(method, class_type=NODE, **inputs):
     values = {"tau": 1.3, "keep_percent": KEEP, "vsa_prefix": "exempt", "start_percent": 0.0,
               "end_percent": 1.0, "min_tokens": 0, **inputs}
     nested = {f"selection.{k}": values.pop(k) for k in ("tau", "keep_percent", "vsa_prefix") if k in values}
-    nested = {k: v for k, v in nested.items() if k.split(".")[1] in NESTED[method]}
+    allowed = (NESTED if class_type == NODE else BUILTIN_NESTED)[method]
+    nested = {k: v for k, v in nested.items() if k.split(".")[1] in allowed}
     return {"class_type": class_type, "inputs": {"selection": method, **nested, **values}}
 
 
-BUILTIN = "BlockSparseAttention"     # ComfyUI's own "Model Sparse Attention" node
 
 
 def sparse_lines(result, method):
@@ -91,11 +96,12 @@ def assert_calls_equal_solattn(result, sparse=lambda call: True, count=2 * 3):
     calls = result["captures"]
     assert len(calls) == count, calls
     for call in calls:
+        tol = 1e-5 if call["dtype"] == "torch.float32" else 2e-2      # bf16 / fp16 on an accelerator
         if sparse(call):
-            assert call["rel_err_vs_direct"] < 1e-5, call
-            assert call["rel_diff_vs_dense"] > 1e-3, call
+            assert call["rel_err_vs_direct"] < tol, call
+            assert call["rel_diff_vs_dense"] > max(1e-3, 2 * tol), call
         else:
-            assert call["rel_diff_vs_dense"] < 1e-5, call
+            assert call["rel_diff_vs_dense"] < tol, call
 
 
 @pytest.mark.parametrize("method, runs, extra, checkpoint", [
@@ -119,6 +125,7 @@ def test_prompt_runs_sparse_and_each_block_equals_solattn(tmp_path, method, runs
 
 @pytest.mark.parametrize("method, order", [("vsa", "builtin-first"), ("vsa", "builtin-after"),
                                            ("sol-attn", "builtin-after")])
+@pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the built-in node runs comfy-kitchen's own kernel")
 def test_builtin_sparse_node_in_either_order(tmp_path, method, order):
     """ComfyUI's built-in node runs nothing sparse off CUDA. Applied before this node, its block
     patches run inside vsa's; applied after, its patches replace vsa's and its override goes on top:

@@ -1,8 +1,11 @@
 """The ComfyUI node "Model Sparse Attention (solattn)" against a stand-in of ComfyUI's interfaces.
 
 tests/comfyui_standin/ reproduces what the node touches (attention override hook, MiniMax-H3
-block replacement and layout, ModelPatcher). Every sparse output is compared with a direct
-solattn computation on the same projections; every fallback with the unpatched model.
+block replacement and layout, ModelPatcher). These tests cover what the real-ComfyUI tests
+(tests/test_comfyui_host.py) cannot reach with a MiniMax-H3 checkpoint: a model that is not
+MiniMax-H3 (cross-attention, masks, block families), inputs solattn refuses, the per-run log
+memory, argument checks and the sigma cache. Every sparse output is compared with a direct solattn
+computation on the same projections; every fallback with the unpatched model.
 """
 
 import importlib
@@ -54,53 +57,8 @@ def h3_setup(comfy, seed=0, gate=True, layers=2, dtype=torch.float32):
     return comfy["model_patcher"].ModelPatcher(model), layout, h
 
 
-def h3_direct(model, layout, h, keep_percent, prefix_mode="exempt", dense_blocks=()):
-    """The H3 blocks computed by hand: the model's projections, then solattn.video_sparse_attn."""
-    grid = (LATENT[0], LATENT[1] // 2, LATENT[2] // 2)
-    prefix = [b - a for a, b, kind in layout.segments if kind != "video"]
-    rope = model.rope_freqs(layout.seq_len, h.device)
-    for i, block in enumerate(model.blocks):
-        attn = block.attn
-        x = block.norm1(h)
-        q, k, v = (t.unsqueeze(0) for t in attn.project(x, rope))
-        if i in dense_blocks:
-            o = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
-            o = o.transpose(1, 2)
-        else:
-            gate = None if attn.to_gate_compress is None else attn.to_gate_compress(x).view(q.shape)
-            o = solattn.video_sparse_attn(q, k, v, grid, sparsity=(100 - keep_percent) / 100, gate=gate,
-                                          prefix_len=prefix, prefix_mode=prefix_mode)
-        h = h + attn.out_proj(o.reshape(layout.seq_len, -1))
-        h = h + block.mlp(block.norm2(h))
-    return h
-
-
 def node_lines(caplog, text):
     return [r for r in caplog.records if r.name == LOGGER and text in r.getMessage()]
-
-
-@torch.no_grad()
-def test_h3_vsa_gate_is_used(comfy):
-    """The gate comes from to_gate_compress on the attention input: zeroing it changes the output."""
-    patcher, layout, h = h3_setup(comfy)
-    patched = node.apply(patcher, method="vsa", keep_percent=10.0, start_percent=0.0, min_tokens=0)
-    with_gate = patched.apply_model(h, layout)
-    for block in patcher.diffusion_model.blocks:
-        block.attn.to_gate_compress.weight.zero_()
-    without = patched.apply_model(h, layout)
-    assert (with_gate - without).norm() > 1e-3 * without.norm()
-
-
-@torch.no_grad()
-def test_h3_vsa_dense_blocks(comfy, caplog):
-    patcher, layout, h = h3_setup(comfy)
-    patched = node.apply(patcher, method="vsa", keep_percent=10.0, start_percent=0.0, min_tokens=0,
-                         dense_blocks="1")
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    out = patched.apply_model(h, layout)
-    want = h3_direct(patcher.diffusion_model, layout, h, 10.0, dense_blocks=(1,))
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    assert len(node_lines(caplog, "block 1 is in dense_blocks")) == 1
 
 
 @pytest.mark.parametrize("case", ["schedule_early", "schedule_late", "min_tokens"])
@@ -265,44 +223,6 @@ def test_dense_blocks_without_block_index_is_reported(comfy, caplog):
     assert len(node_lines(caplog, "dense: block 1 is in dense_blocks")) == 1
 
 
-@torch.no_grad()
-def test_h3_sol_attn_uses_conditioning_sinks(comfy, caplog):
-    """sol-attn on H3 goes through the override; the packed prefix is exact for every query."""
-    patcher, layout, h = h3_setup(comfy, layers=1)
-    patched = node.apply(patcher, method="sla", keep_percent=20.0, start_percent=0.0, min_tokens=0,
-                         sink_conditioning="exact_kv_and_rows")
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    out = patched.apply_model(h, layout)
-    model = patcher.diffusion_model
-    block = model.blocks[0]
-    x = block.norm1(h)
-    q, k, v = (t.unsqueeze(0) for t in block.attn.project(x, model.rope_freqs(layout.seq_len, h.device)))
-    video_start = TEXT + 2 * AUDIO_T                                   # 88 rows: blocks 0, 1
-    o = solattn.sol_attn(q, k, v, topk_ratio=0.2, sink_blocks=[0, 2], sink_q=[TEXT // 64, 2])
-    want = h + block.attn.out_proj(o.reshape(layout.seq_len, -1))
-    want = want + block.mlp(block.norm2(want))
-    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-    assert -(-video_start // 64) == 2
-    assert len(node_lines(caplog, "sinks [0, 2]/[1, 2]")) == 1
-
-
-def test_override_stays_on_top(comfy):
-    """A node applied after ours replaces the hook; ON_PREPARE_STATE puts ours back on top and
-    chains to it for dense calls."""
-    patcher, x, context = generic_setup(comfy)
-    patched = node.apply(patcher, method="sol-attn", start_percent=0.0, min_tokens=0)
-    later = []
-
-    def other(func, *args, **kwargs):
-        later.append(1)
-        return func(*args, **kwargs)
-
-    patched.model_options["transformer_options"]["optimized_attention_override"] = other
-    with torch.no_grad():
-        patched.apply_model(x, context)
-    assert len(later) == 2          # only the two cross-attention calls, declined by ours
-
-
 # ---------------------------------------------------------------------------------------------
 # node surface and argument checks
 def test_classic_node_surface():
@@ -397,28 +317,6 @@ def test_sigma_read_once_per_sigmas_tensor():
         frozen.mul_(0.5)
         state.new_step()
         assert state.first_sigma(frozen) == pytest.approx(0.3) and len(reads) == 6
-
-
-@torch.no_grad()
-def test_h3_vsa_keeps_an_earlier_block_patch(comfy, caplog):
-    """Another node's replacement of block 0, installed before vsa, still runs (around the block that
-    vsa's attention runs in) instead of being silently replaced; one line says so."""
-    patcher, layout, h = h3_setup(comfy, layers=1)
-    kwargs = dict(method="vsa", keep_percent=10.0, start_percent=0.0, end_percent=1.0, min_tokens=0)
-    plain = node.apply(patcher, **kwargs).apply_model(h, layout, sigma=0.5)
-    seen = []
-
-    def earlier(args, extra):                  # e.g. a node that rescales a block's output
-        seen.append("attention" in args)
-        return {"img": 2.0 * extra["original_block"](args)["img"]}
-
-    other = patcher.clone()
-    other.set_model_patch_replace(earlier, "dit", "double_block", 0)
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    out = node.apply(other, **kwargs).apply_model(h, layout, sigma=0.5)
-    assert seen == [True], "the earlier patch runs once, handed vsa's attention"
-    torch.testing.assert_close(out, 2.0 * plain, rtol=0, atol=0)
-    assert len(node_lines(caplog, "vsa wraps 1 block patch")) == 1
 
 
 def test_cross_attention_and_grouped_keys_are_each_reported(comfy, caplog):

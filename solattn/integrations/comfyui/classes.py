@@ -58,8 +58,9 @@ def _v3_node():
                               tooltip=TIPS["keep_percent"])
 
     def prefix():
+        # optional: the built-in node's values (which have no vsa_prefix) validate unchanged
         return io.Combo.Input("vsa_prefix", options=list(VSA_PREFIX_MODES), default=DEFAULTS["vsa_prefix"],
-                              tooltip=TIPS["vsa_prefix"])
+                              optional=True, tooltip=TIPS["vsa_prefix"])
 
     class SolAttnModelSparseAttention(io.ComfyNode):
         @classmethod
@@ -97,7 +98,9 @@ def _v3_node():
         def execute(cls, model, selection, start_percent, end_percent, dense_blocks="",
                     min_tokens=DEFAULT_MIN_TOKENS, extra_tokens=0, sink_conditioning="exact_kv_and_rows",
                     verbose=True) -> io.NodeOutput:
-            nested = {k: selection.get(k, DEFAULTS[k]) for k in ("tau", "keep_percent", "vsa_prefix")}
+            # an option's missing or optional input arrives as None: its default then
+            nested = {k: DEFAULTS[k] if selection.get(k) is None else selection[k]
+                      for k in ("tau", "keep_percent", "vsa_prefix")}
             return io.NodeOutput(apply(model, method=selection["selection"], start_percent=start_percent,
                                        end_percent=end_percent, dense_blocks=dense_blocks, min_tokens=min_tokens,
                                        extra_tokens=extra_tokens, sink_conditioning=sink_conditioning,
