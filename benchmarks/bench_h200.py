@@ -189,7 +189,7 @@ def flex_runner(problem, plan):
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
     idx = torch.zeros(B, H, n, n, dtype=torch.int32, device=plan.kv_indices.device)
     idx[..., :plan.kv_indices.shape[-1]] = plan.kv_indices
-    exact = plan.exact
+    exact = plan.dense_mask()
 
     def selected(b, h, q_idx, kv_idx):  # only evaluated by eager flex; the compiled kernel walks the indices
         return exact[b, h, q_idx // BLOCK, kv_idx // BLOCK]

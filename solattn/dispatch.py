@@ -112,10 +112,12 @@ def unregister(name: str) -> Backend:
     return backend
 
 
-def get_backend(name: str) -> Backend:
-    """The registered backend called ``name`` (``ValueError`` listing the names otherwise)."""
+def get_backend(name: str, *, asked_by: str = "argument 'backend'", optional: bool = True) -> Backend:
+    """The registered backend called ``name`` (``ValueError`` listing the names otherwise, the
+    name given as ``asked_by``; ``optional``: the caller may also pass None)."""
     if not isinstance(name, str) or name.lower() not in _REGISTRY:
-        raise ValueError(f"argument 'backend' received {name!r}; allowed: None or one of {sorted(_REGISTRY)}")
+        raise ValueError(f"{asked_by} received {name!r}; allowed: {'None or ' if optional else ''}"
+                         f"one of {sorted(_REGISTRY)}")
     return _REGISTRY[name.lower()]
 
 
@@ -144,7 +146,7 @@ def _walk(device_type: str) -> List[str]:
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[Backend]:
     """Force backend ``name`` for every ``sol_attn`` call inside the block (raises if it cannot run)."""
-    backend = get_backend(name)
+    backend = get_backend(name, asked_by="use_backend: argument 'name'", optional=False)
     token = _forced.set(backend.name)
     try:
         yield backend
@@ -243,7 +245,7 @@ def list_backends(device=None) -> List[dict]:
     Returns a list of ``{"name", "available", "reasons", "priority", "description"}`` dicts,
     in the device's priority order first, then the rest.
     """
-    dev = torch.device(device) if device is not None else best_device()
+    dev = as_device("list_backends", device) if device is not None else best_device()
     order = priority(dev.type)
     out = []
     for name in _walk(dev.type):
@@ -253,6 +255,16 @@ def list_backends(device=None) -> List[dict]:
                     "priority": order.index(name) if name in order else None,
                     "description": b.description})
     return out
+
+
+def as_device(fn: str, device) -> torch.device:
+    """``device`` (a ``torch.device`` or a device string) as a ``torch.device``, or a clear error."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        exc = TypeError if not isinstance(device, (str, int)) else ValueError
+        raise exc(f"{fn}: argument 'device' received {device!r}; allowed: None, a torch.device or a device "
+                  f"string such as 'cpu', 'cuda', 'cuda:1', 'xpu' or 'mps' ({err})") from None
 
 
 def present_devices() -> List[str]:

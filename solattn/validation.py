@@ -165,6 +165,8 @@ def check_qkv(fn: str, q, k, v, layout: str = "(B, T, H, D)") -> None:
             fail(fn, name, tensor_desc(t), f"a 4-D tensor of shape {layout}")
         if t.dtype not in SUPPORTED_DTYPES:
             fail(fn, name, tensor_desc(t), f"dtype {DTYPE_NAMES}", TypeError)
+    if k.device == v.device != q.device:          # q is the odd one out (e.g. on the meta device)
+        fail(fn, "q", tensor_desc(q), f"the device of k and v ({k.device})")
     for name, t in (("k", k), ("v", v)):
         if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
             fail(fn, name, tensor_desc(t), f"the shape, dtype and device of q ({tensor_desc(q)})")
@@ -184,22 +186,28 @@ def check_gate(fn: str, arg: str, gate, q: torch.Tensor, shape_note: str = "") -
         fail(fn, arg, tensor_desc(gate), allowed)
 
 
+FP32_MAX = torch.finfo(torch.float32).max
+#: what a float argument may be: the kernels compute in fp32 at least
+FINITE_FLOAT = f"a finite float of magnitude at most {FP32_MAX} (fp32's largest)"
+
+
 def _check_real(name: str, value, allow_none: bool = False) -> Optional[float]:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         _fail(name, f"{value!r} of type {type(value).__name__}",
-              "a finite float" + (" or None" if allow_none else ""), TypeError)
+              FINITE_FLOAT + (" or None" if allow_none else ""), TypeError)
     value = float(value)
     if not finite(value):
-        _fail(name, repr(value), "a finite float" + (" or None" if allow_none else ""))
+        _fail(name, repr(value), FINITE_FLOAT + (" or None" if allow_none else ""))
     return value
 
 
 def finite(value: float) -> bool:
-    """``math.isfinite`` as a comparison, which torch.compile can trace when ``dynamic=True``
-    makes the value symbolic (False for nan and +-inf)."""
-    return abs(value) < math.inf
+    """Whether ``value`` is finite in fp32 (``1e39`` is finite in float64 only, and would turn
+    every output non-finite), as a comparison, which torch.compile can trace when
+    ``dynamic=True`` makes the value symbolic (False for nan and +-inf)."""
+    return abs(value) <= FP32_MAX
 
 
 def _check_range(name: str, value, n: int) -> Optional[Tuple[int, int]]:

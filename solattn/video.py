@@ -140,7 +140,7 @@ def _check_gate(fn: str, gate, q: torch.Tensor, prefix_len: int, n_video_tokens:
         return None
     B, T, H, D = q.shape
     video_shape = (B, n_video_tokens, H, D)
-    allowed = (f"None, a real number (a constant gate) or a float tensor (bf16, fp16 or fp32) of q's "
+    allowed = (f"None, a real number within fp32's range (a constant gate) or a float tensor (bf16, fp16 or fp32) of q's "
                f"shape {tuple(q.shape)} or of the video part's shape {video_shape}, on {q.device}")
     if isinstance(gate, numbers.Real) and not isinstance(gate, bool):
         if not finite(float(gate)):

@@ -13,6 +13,18 @@ from solattn.backends import reference as refmod
 from solattn.testing import make_qkv
 
 
+def test_use_backend_names_its_own_argument():
+    with pytest.raises(ValueError, match=r"use_backend: argument 'name' received 'nope'; allowed: one of \["):
+        with solattn.use_backend("nope"):
+            pass
+
+
+@pytest.mark.parametrize("device", ["nodevice", "cuda:x", 3.5])
+def test_list_backends_refuses_what_is_not_a_device(device):
+    with pytest.raises((ValueError, TypeError), match=r"list_backends: argument 'device' received "):
+        solattn.list_backends(device)
+
+
 def test_backends_listing():
     infos = solattn.list_backends("cpu")
     names = [i["name"] for i in infos]

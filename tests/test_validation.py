@@ -31,6 +31,9 @@ BAD = [
     (dict(scale=math.nan), ValueError, "'scale'"),
     (dict(scale=math.inf), ValueError, "'scale'"),
     (dict(scale="0.1"), TypeError, "'scale'"),
+    (dict(scale=1e39), ValueError, "'scale'"),          # finite in float64, inf in fp32
+    (dict(scale=-4e38), ValueError, "'scale'"),
+    (dict(q=Q.to("meta")), ValueError, "'q'"),          # q's device is the odd one out, not k's
     (dict(tau=math.inf), ValueError, "'tau'"),
     (dict(tau=None), TypeError, "'tau'"),
     (dict(sink_blocks=(2, 1)), ValueError, "'sink_blocks'"),
@@ -91,6 +94,20 @@ def test_gate_dtype_message_names_the_dtypes_allowed():
     with pytest.raises(TypeError, match=r"'coarse_gate' received .*dtype torch\.float64.*allowed: .*"
                                         r"torch\.bfloat16, torch\.float16 or torch\.float32"):
         solattn.sol_attn(Q, K, V, coarse_gate=torch.randn(1, 100, 2, 8, dtype=torch.float64))
+
+
+def test_floats_beyond_fp32_are_refused_and_its_largest_is_accepted():
+    with pytest.raises(ValueError, match=r"'scale' received 1e\+39; allowed: a finite float .*3\.4028"):
+        solattn.sol_attn(Q, K, V, scale=1e39)
+    assert torch.isfinite(solattn.sol_attn(Q, K, V, scale=1e-30, backend="reference")).all()
+    assert validate(Q, K, V, scale=torch.finfo(torch.float32).max).scale == torch.finfo(torch.float32).max
+
+
+def test_a_meta_q_is_blamed_on_q():
+    with pytest.raises(ValueError, match=r"sol_attn: argument 'q' received a tensor .*device meta.*allowed: .*cpu"):
+        solattn.sol_attn(Q.to("meta"), K, V)
+    with pytest.raises(ValueError, match=r"argument 'k' received .*device meta"):
+        solattn.sol_attn(Q, K.to("meta"), V)
 
 
 def test_unknown_backend_name():

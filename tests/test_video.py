@@ -495,6 +495,8 @@ def _bad(**over):
     (dict(prefix_mode="both"), ValueError, r"'prefix_mode' received 'both'; allowed: one of \('exempt', 'compete'\)"),
     (dict(prefix_mode=None), TypeError, r"'prefix_mode' received None"),
     (dict(gate=float("nan")), ValueError, r"'gate' received nan"),
+    (dict(gate=1e39), ValueError, r"'gate' received 1e\+39"),      # finite in float64, inf in fp32
+    (dict(scale=1e39), ValueError, r"video_sparse_attn: argument 'scale' received 1e\+39"),
     (dict(gate=True), TypeError, r"'gate' received bool"),
     (dict(grid=(3, 4)), TypeError, r"'grid' received \(3, 4\)"),
     (dict(topk=2), ValueError, r"'sparsity/topk' received sparsity=0.5, topk=2.*exactly one"),
