@@ -3,6 +3,8 @@
 
     SOLATTN_COMFYUI=/path/to/ComfyUI python tests/comfyui_benchmark.py OUT.md [--sizes 512x256x22 ...]
 
+(``SOLATTN_COMFYUI_DEVICE=gpu`` runs ComfyUI on the accelerator it finds instead of ``--cpu``.)
+
 Writes a markdown table: tokens per attention call, median sampling seconds and peak extra resident
 memory per variant, and each variant's time relative to dense. A shared CPU is noisy: compare ratios
 taken in the same run, not absolute times across runs.
@@ -34,7 +36,8 @@ def run(comfyui, width, height, length, repeats):
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "comfy")
         os.makedirs(base)
-        cfg = {"comfyui": comfyui, "base": base, "result": os.path.join(tmp, "result.json"), "width": width,
+        cfg = {"comfyui": comfyui, "base": base, "result": os.path.join(tmp, "result.json"),
+               "device": os.environ.get("SOLATTN_COMFYUI_DEVICE", "cpu"), "width": width,
                "height": height, "length": length, "benchmark": {"variants": VARIANTS, "repeats": repeats}}
         path = os.path.join(tmp, "config.json")
         with open(path, "w") as f:
