@@ -36,25 +36,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import solattn  # noqa: E402
 import solattn.distributed as sd  # noqa: E402
+from solattn.bench.timing import flush_l2, synchronize as sync  # noqa: E402
 from solattn import dispatch  # noqa: E402
 from solattn.bench.report import source_revision  # noqa: E402
 from solattn.testing import block_structured_qkv, rel_l2  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
 
-def sync(dev):
-    if dev.type in ("cuda", "xpu"):
-        getattr(torch, dev.type).synchronize(dev)
-
-
 def median_ms(fn, dev, reps, warmup, barrier=False):
-    """Median wall time of ``fn`` in ms (device-synchronised; all ranks start each rep together
-    when ``barrier``)."""
+    """Median wall time of ``fn`` in ms (device-synchronised, L2 flushed as in
+    ``solattn.bench.timing``; all ranks start each rep together when ``barrier``)."""
     for _ in range(warmup):
         fn()
     sync(dev)
     times = []
     for _ in range(reps):
+        flush_l2(dev)
         if barrier:
             dist.barrier()
         sync(dev)

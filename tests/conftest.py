@@ -1,8 +1,39 @@
-"""Fixtures shared by test modules."""
+"""Fixtures and markers shared by test modules.
+
+Markers (declared in pyproject.toml): ``slow`` tests are left out of the default run
+(``python -m pytest -q -m slow`` runs them, ``-m ""`` runs everything); ``gpu`` is given here
+to every test that runs on a GPU (a ``cuda``/``xpu``/``mps`` device parameter, or a skip
+condition that asks for one), so ``-m gpu`` runs a GPU machine's own cases.
+"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
+
+_GPU_TYPES = ("cuda", "xpu", "mps")
+_GPU_REASON = re.compile(r"\b(CUDA|GPU|XPU|MPS)\b")
+
+
+def _is_gpu_device(value) -> bool:
+    if isinstance(value, torch.device):
+        return value.type in _GPU_TYPES
+    return isinstance(value, str) and value.split(":")[0] in _GPU_TYPES
+
+
+def _runs_on_gpu(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and any(_is_gpu_device(v) for v in callspec.params.values()):
+        return True
+    return any(_GPU_REASON.search(str(mark.kwargs.get("reason", ""))) for mark in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _runs_on_gpu(item) and item.get_closest_marker("gpu") is None:
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture

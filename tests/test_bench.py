@@ -235,29 +235,60 @@ def test_peak_memory_sees_a_large_allocation():
     assert basis == "rss>=" and 60 <= mib < 200, mib
 
 
-# --------------------------------------------------------------------------- GPU probes
+# --------------------------------------------------------------------------- benchmarks/run.py
 
-@pytest.mark.parametrize("script", ["probe_gpu.py", "profile_sdpa_gpu.py"])
-def test_gpu_probes_import_and_parse_arguments_here(script, capsys):
-    """The probes need a GPU to be useful; here they must at least import (reusing solattn.bench's
-    inputs, timing, memory, error and FLOP helpers) and parse their options."""
+def _runner():
     import importlib.util
-    import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / script
-    spec = importlib.util.spec_from_file_location(f"_probe_{path.stem}", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+    spec = importlib.util.spec_from_file_location("_benchmarks_run", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for helper in ("make_inputs", "time_calls", "flop_count"):
-        assert getattr(module, helper) is getattr(bench, helper)
-    args = module.parse_args(["--device", "cpu", "--shapes", "seed", "1,128,1,32", "--ratio", "0.2"])
-    assert args.device.type == "cpu" and args.shapes == [(2, 4056, 16, 128), (1, 128, 1, 32)]
+    return module
+
+
+def test_runner_keeps_the_latest_result_with_commit_and_command(tmp_path, monkeypatch, capsys):
+    """``benchmarks/run.py NAME`` writes ``<results>/<device>/NAME.md``: the commit, the command and
+    the benchmark's own table; a second run replaces the first."""
+    run = _runner()
+    monkeypatch.setenv("SOLATTN_REVISION", "abc1234")
+    argv = ["forward", "--results", str(tmp_path), "--", "--device", "cpu", "--shapes", "1,128,1,32",
+            "--ratios", "0.5", "--repeats", "1", "--no-plot"]
+    assert run.main(argv) == 0
+    path = tmp_path / "cpu" / "forward.md"
+    first = path.read_text()
+    assert "- commit: abc1234" in first and "- exit status: 0" in first
+    assert "`python benchmarks/run.py forward --results" in first
+    assert "(runs `python -m solattn bench --out OUT --device cpu --shapes 1,128,1,32" in first
+    assert "| sdpa | 1x128x1x32 | top-k 0.5 |" in first
+    monkeypatch.setenv("SOLATTN_REVISION", "def5678")
+    assert run.main(argv) == 0
+    assert [p.name for p in (tmp_path / "cpu").iterdir()] == ["forward.md"]
+    assert "- commit: def5678" in path.read_text()
+
+
+def test_runner_lists_and_refuses_unknown_names(capsys):
+    run = _runner()
+    assert run.main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("forward", "peers", "backward", "plan", "vsa", "distributed"):
+        assert f"\n{name} " in "\n" + listed, name
     with pytest.raises(SystemExit) as exc:
-        module.parse_args(["--device", "nonesuch"])
-    assert exc.value.code == 2 and "--device" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        module.parse_args(["--device", "cpu", "--ratio", "1.5"])
-    assert exc.value.code == 2 and "--ratio received 1.5; allowed: 0 < r < 1" in capsys.readouterr().err
+        run.main(["nonesuch"])
+    assert exc.value.code == 2 and "NAME received 'nonesuch'; allowed: forward" in capsys.readouterr().err
+
+
+def test_paired_rounds_time_every_contender_in_rotating_order():
+    import torch
+
+    calls = []
+    times = bench.paired_rounds({n: (lambda n=n: calls.append(n)) for n in "abc"}, torch.device("cpu"),
+                                rounds=3, warmup=1)
+    assert calls[:3] == list("abc")                                   # warm-up, once each
+    assert calls[3:] == list("abc") + list("bca") + list("cab")
+    assert {n: len(t) for n, t in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert all(x >= 0 for t in times.values() for x in t)
+    assert bench.ratio_summary([4.0, 6.0, 9.0], [2.0, 2.0, 3.0]) == "3.00x (2.00-3.00)"
 
 
 def test_terminal_table_explains_its_columns(tmp_path, capsys):

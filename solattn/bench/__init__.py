@@ -62,12 +62,12 @@ from typing import Optional, Sequence
 from ..backends import reference as reference_module
 from .memory import measure_peak
 from .models import BYTE_MODELS, bytes_moved, flop_count
-from .parsing import (DENSE, DTYPE_NAMES, DTYPES, PRESETS, ArgParser, Config, ProblemArgParser, UsageError,
+from .parsing import (DENSE, DTYPE_NAMES, DTYPES, PRESETS, ArgParser, Config, UsageError,
                       build_parser, parse_device, parse_shapes, resolve)
 from .report import (COLUMNS, LEGEND, environment, legend_lines, markdown_table, text_table, write_csv,
                      write_markdown, write_plot)
 from .runner import _shape_str, make_inputs, rel_l2, run
-from .timing import log, reset_clock, synchronize, time_calls
+from .timing import flush_l2, log, paired_rounds, ratio_summary, reset_clock, synchronize, time_calls
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -131,6 +131,6 @@ def _main_vsa(cfg: Config) -> int:
 
 
 __all__ = ["main", "run", "resolve", "build_parser", "parse_shapes", "Config", "PRESETS", "DTYPES",
-           "DTYPE_NAMES", "DENSE", "ArgParser", "ProblemArgParser", "UsageError", "parse_device", "COLUMNS", "BYTE_MODELS", "time_calls", "measure_peak", "make_inputs",
-           "flop_count", "bytes_moved", "rel_l2", "synchronize", "log", "reset_clock", "environment",
+           "DTYPE_NAMES", "DENSE", "ArgParser", "UsageError", "parse_device", "COLUMNS", "BYTE_MODELS", "time_calls", "measure_peak", "make_inputs",
+           "flop_count", "bytes_moved", "rel_l2", "synchronize", "flush_l2", "paired_rounds", "ratio_summary", "log", "reset_clock", "environment",
            "text_table", "LEGEND", "legend_lines", "markdown_table", "write_csv", "write_markdown", "write_plot"]

@@ -141,31 +141,6 @@ def parse_shapes(tokens: Sequence[str]) -> List[Shape]:
     return list(dict.fromkeys(shapes))
 
 
-class ProblemArgParser(ArgParser):
-    """:class:`ArgParser` with the options of the GPU probe scripts under ``benchmarks/``:
-    ``--device`` (default cuda), ``--shapes`` (as for ``python -m solattn bench``) and ``--ratio``
-    (a top-k ratio). ``parse_args`` turns them into a ``torch.device``, a list of shapes and a
-    checked float, or ends with one error line (exit status 2)."""
-
-    def __init__(self, prog: str, description: str, shapes: Sequence[str]):
-        super().__init__(prog=prog, description=description)
-        self.add_argument("--device", default="cuda", help="torch device (default cuda)")
-        self.add_argument("--shapes", nargs="+", default=list(shapes), metavar="B,T,H,D|PRESET",
-                          help=f"problems, as for `python -m solattn bench` (default: {' '.join(shapes)})")
-        self.add_argument("--ratio", type=float, default=0.1, help="top-k ratio (default 0.1)")
-
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
-        parsed = super().parse_args(args, namespace)
-        try:
-            parsed.device = parse_device(parsed.device)
-            parsed.shapes = parse_shapes(parsed.shapes)
-        except UsageError as exc:
-            self.error(str(exc))
-        if not 0 < parsed.ratio < 1:
-            self.error(f"--ratio received {parsed.ratio:g}; allowed: 0 < r < 1")
-        return parsed
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = ArgParser(
         prog="python -m solattn bench",

@@ -19,7 +19,7 @@ from .memory import measure_peak
 from .models import Shape, bytes_moved, flop_count
 from .parsing import DENSE, DTYPE_NAMES, Config
 from .peers import peer_calls
-from .timing import log, synchronize, time_calls
+from .timing import log, round_order, synchronize, time_calls
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0,
@@ -34,16 +34,6 @@ def _prepare(fn: Callable[[], torch.Tensor], cfg: Config):
     for _ in range(cfg.warmup - 1):
         fn()
     return measure_peak(fn, cfg.device)
-
-
-def round_order(names: List[str], rnd: int) -> List[str]:
-    """The order of the contenders in timed round ``rnd``: rotated by one each round, so that no
-    contender always runs right after the same other one (on an H200 the row after dense SDPA
-    measured up to 1.8 ms slower at H3 than the same call later in the round)."""
-    if not names:
-        return []
-    r = rnd % len(names)
-    return names[r:] + names[:r]
 
 
 def graphed(call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:

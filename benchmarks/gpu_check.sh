@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU check of a solattn checkout: the test suite and the benchmarks, in steps of under
+# 10 minutes each, with no network access needed.
+#
+#   bash benchmarks/gpu_check.sh tests-a     # first half of the test files (all tests, slow ones included)
+#   bash benchmarks/gpu_check.sh tests-b     # second half
+#   bash benchmarks/gpu_check.sh bench-a     # benchmarks: peers (comfy-kitchen), plan
+#   bash benchmarks/gpu_check.sh bench-b     # benchmarks: backward, vsa (FastVideo)
+#   bash benchmarks/gpu_check.sh distributed # benchmarks: distributed, on 2 GPUs or more
+#
+# Several steps may be given to one call. Results go under $OUT (default ./gpu-check): test logs
+# as results/<device>/tests-a.log and tests-b.log, benchmarks as results/<device>/<name>.md
+# (benchmarks/run.py), so copying $OUT/results over benchmarks/results keeps the latest.
+# The commit recorded is $SOLATTN_REVISION, else the checkout's git HEAD (a copied tree without
+# .git should be given SOLATTN_REVISION=<commit>).
+# Optional packages are found in git-ignored folders of the checkout, put on PYTHONPATH when
+# present: .whl/ck (comfy-kitchen, the peers benchmark and its tests) and .whl/fv
+# (fastvideo_kernel, the vsa benchmark's FastVideo rows).
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu-check}
+for extra in "$ROOT/.whl/ck" "$ROOT/.whl/fv"; do
+  [ -d "$extra" ] && PYTHONPATH=$extra${PYTHONPATH:+:$PYTHONPATH}
+done
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+if [ -z "${SOLATTN_REVISION:-}" ]; then
+  SOLATTN_REVISION=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+fi
+export SOLATTN_REVISION
+PY=${PYTHON:-python}
+DEVICE=$($PY - <<'EOF'
+import sys
+sys.path.insert(0, "benchmarks")
+from run import device_folder
+print(device_folder())
+EOF
+)
+RESULTS=$OUT/results/$DEVICE
+mkdir -p "$RESULTS"
+echo "solattn $SOLATTN_REVISION on $DEVICE; results under $RESULTS"
+
+# the test files, split in two halves of about equal time on a GPU host
+TESTS_A="tests/test_backends.py tests/test_triton_backend.py tests/test_triton_backward.py tests/test_compile.py
+         tests/test_graphs.py tests/test_readme.py"
+TESTS_B=$(ls tests/test_*.py | grep -v -x -F -f <(echo "$TESTS_A" | tr ' ' '\n' | grep .))
+
+run_tests() {   # name, files...
+  local name=$1; shift
+  local log=$RESULTS/$name.log
+  { echo "# solattn $SOLATTN_REVISION, $(date -u '+%Y-%m-%d %H:%M') UTC"
+    echo "# command: bash benchmarks/gpu_check.sh $name"
+    echo "# python -m pytest -q -p no:cacheprovider -m '' --durations=15 $*"
+    $PY -c "import torch, sys; print('# torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', 'python', sys.version.split()[0])"
+  } > "$log"
+  timeout ${TEST_S:-560} $PY -m pytest -q -p no:cacheprovider -m "" --durations=15 "$@" >> "$log" 2>&1
+  local rc=$?
+  echo "# exit status $rc" >> "$log"
+  tail -5 "$log"
+  return $rc
+}
+
+bench() {   # names...
+  timeout ${BENCH_S:-560} $PY benchmarks/run.py "$@" --results "$OUT/results"
+}
+
+status=0
+for step in "$@"; do
+  case $step in
+    tests-a) run_tests tests-a $TESTS_A || status=1 ;;
+    tests-b) run_tests tests-b $TESTS_B || status=1 ;;
+    bench-a) bench peers plan || status=1 ;;
+    bench-b) bench backward vsa || status=1 ;;
+    distributed) bench distributed --nproc "$($PY -c 'import torch; print(torch.cuda.device_count())')" || status=1 ;;
+    *) echo "unknown step '$step'; allowed: tests-a tests-b bench-a bench-b distributed" >&2; exit 2 ;;
+  esac
+done
+exit $status
