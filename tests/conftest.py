@@ -8,10 +8,22 @@ condition that asks for one), so ``-m gpu`` runs a GPU machine's own cases.
 
 from __future__ import annotations
 
+import atexit
+import os
 import re
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+# torch.compile's on-disk cache (shared by every checkout of one user) can return a graph compiled
+# against another version of solattn's custom ops, whose fake outputs then disagree with the real
+# ones; each test run compiles against this checkout's code in a cache of its own
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="solattn-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+    atexit.register(shutil.rmtree, _INDUCTOR_CACHE, ignore_errors=True)
 
 _GPU_TYPES = ("cuda", "xpu", "mps")
 _GPU_REASON = re.compile(r"\b(CUDA|GPU|XPU|MPS)\b")

@@ -87,6 +87,7 @@ def _grads(fn, inputs):
     return [t.grad for t in leaves]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_compiled_backward_matches_eager(device, fullgraph):
@@ -109,6 +110,7 @@ def test_compiled_backward_matches_eager(device, fullgraph):
         assert rel_l2(g, w) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_vsa_backward_fullgraph_matches_eager(device):
     """The same for ``video_sparse_attn`` (the same backward op on VSA's route): a gate tensor
@@ -145,6 +147,7 @@ def test_backward_ops_registered_with_fake_impls():
     assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 3 + [(0,), (0,)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sol_attn", "video_sparse_attn"])
 def test_compiled_autograd_backward_matches_eager(name):
     """An eager forward whose backward runs under compiled autograd (dynamo traces the backward, so
@@ -237,6 +240,7 @@ def test_transform_whose_derivative_skips_the_op_runs(name):
         torch.func.grad(lambda x: fn(x).sum())(q)          # and through the op it is refused
 
 
+@pytest.mark.slow
 def test_compiled_vmap_fullgraph():
     """torch.compile(torch.vmap(f), fullgraph=True) traces the operator (the transform check steps
     aside while Dynamo traces) and equals one call per entry."""
@@ -250,6 +254,7 @@ def test_compiled_vmap_fullgraph():
         assert torch.equal(got[i], fn(qs[i]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", ["sol_attn", "vsa_sparsity", "vsa_float_gate", "sol_attn_train"])
 def test_compile_dynamic_shapes_and_floats(call):
     """torch.compile(dynamic=True) makes shapes and Python floats (tau, sparsity, a float gate)
@@ -279,6 +284,7 @@ def test_compile_dynamic_shapes_and_floats(call):
         solattn.sol_attn(q, k, v, tau=float("nan"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrt", ["q", "k", "v"])
 @pytest.mark.parametrize("case", ["tail", "gate", "key_bias", "block_len"])
 def test_vectorized_jacobian_equals_vector_jacobian_products(case, wrt):
