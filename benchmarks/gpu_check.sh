@@ -36,6 +36,7 @@ from run import device_folder
 print(device_folder())
 EOF
 )
+[ -n "$DEVICE" ] || { echo "cannot import torch with $PY" >&2; exit 2; }
 RESULTS=$OUT/results/$DEVICE
 mkdir -p "$RESULTS"
 echo "solattn $SOLATTN_REVISION on $DEVICE; results under $RESULTS"

@@ -39,8 +39,7 @@ from ..testing import make_qkv, rel_l2
 from .memory import measure_peak
 from .parsing import DENSE, DTYPE_NAMES, SOLATTN, Config, VSAProblem
 from .peers import from_fastvideo, to_fastvideo, vsa_peer_calls
-from .runner import round_order
-from .timing import log, synchronize, time_calls
+from .timing import log, round_order, synchronize, time_calls
 
 #: heads on which the gradients' error basis is computed (fp32 autograd through the portable backend)
 GRAD_HEADS = 4
