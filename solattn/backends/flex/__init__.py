@@ -15,6 +15,7 @@ opted in; elsewhere only by name. ``SOLATTN_FLEX_CPU=1`` / ``=0`` overrides the 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
@@ -109,8 +110,10 @@ def _compile_reasons(device: torch.device) -> List[str]:
     return []
 
 
+@functools.lru_cache(maxsize=1)
 def _cpp_compiler() -> bool:
-    """A C++ compiler torch.compile's CPU code can use is on this machine."""
+    """A C++ compiler torch.compile's CPU code can use is on this machine (looked up once: the
+    automatic choice asks on every call where flex comes first)."""
     try:
         from torch._inductor import config
         cxx = config.cpp.cxx
