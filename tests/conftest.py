@@ -42,10 +42,19 @@ def _runs_on_gpu(item) -> bool:
     return any(_GPU_REASON.search(str(mark.kwargs.get("reason", ""))) for mark in item.iter_markers("skipif"))
 
 
+def _compiles_flex(item) -> bool:
+    """A generated backend case on the flex backend: its first call per shape compiles (tens of
+    seconds on a small CPU, in each run's fresh compile cache)."""
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(getattr(v, "backend", None) == "flex" for v in callspec.params.values())
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _runs_on_gpu(item) and item.get_closest_marker("gpu") is None:
             item.add_marker(pytest.mark.gpu)
+        if _compiles_flex(item) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
