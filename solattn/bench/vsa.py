@@ -1,8 +1,10 @@
 """``python -m solattn bench --shapes vsa``: ``video_sparse_attn`` beside dense SDPA and FastVideo's VSA op.
 
 Each problem (:class:`~solattn.bench.parsing.VSAProblem`) is timed forward and, with
-``--backward``, forward + backward, the contenders in interleaved rounds (order rotated each
-round, as for ``sol_attn`` problems):
+``--backward``, forward + backward, the contenders in interleaved rounds
+(:func:`solattn.bench.timing.paired_rounds`: order rotated each round, a GPU's L2 flushed
+before each timed call) after ``--warmup`` untimed calls, the last of which gives the memory
+and the output (or gradients) for the error:
 
 - ``dense``: ``F.scaled_dot_product_attention`` on ``(B, H, T, D)`` copies of the same tokens,
   the same problem without sparsity; its backward gives q, k and v their gradients.
@@ -39,7 +41,7 @@ from ..testing import make_qkv, rel_l2
 from .memory import measure_peak
 from .parsing import DENSE, DTYPE_NAMES, SOLATTN, Config, VSAProblem
 from .peers import from_fastvideo, to_fastvideo, vsa_peer_calls
-from .timing import log, round_order, synchronize, time_calls
+from .timing import log, paired_rounds, synchronize
 
 #: heads on which the gradients' error basis is computed (fp32 autograd through the portable backend)
 GRAD_HEADS = 4
@@ -112,15 +114,6 @@ def _contenders(p: VSAProblem, cfg: Config, q: torch.Tensor, peers) -> Dict[str,
     return calls
 
 
-def _timed_rounds(fns: Dict[str, Callable], cfg: Config, tag: str) -> Dict[str, List[float]]:
-    times: Dict[str, List[float]] = {name: [] for name in fns}
-    for rnd in range(cfg.repeats):
-        for name in round_order(list(fns), rnd):
-            times[name].extend(time_calls(fns[name], cfg.device, 1))
-        log(f"{tag} round {rnd + 1}/{cfg.repeats}: " + ", ".join(f"{n} {t[-1]:.2f} ms" for n, t in times.items()))
-    return times
-
-
 def _pass(p: VSAProblem, cfg: Config, inputs, calls, backward: bool, tag: str) -> List[dict]:
     """One pass (forward, or forward + backward) of every contender on one problem: rows."""
     q, k, v, gate = inputs
@@ -167,7 +160,8 @@ def _pass(p: VSAProblem, cfg: Config, inputs, calls, backward: bool, tag: str) -
         fns[name], measured[name] = fn, (err, peak, peak_basis)
         del out
     del basis
-    times = _timed_rounds(fns, cfg, tag)
+    log(f"{tag}: {cfg.repeats} timed rounds")
+    times = paired_rounds(fns, cfg.device, cfg.repeats, warmup=0)
     rows = []
     base = dict(problem=p.label, device=cfg.device.type, dtype=DTYPE_NAMES[cfg.dtype], B=p.B, T=p.T, H=p.H,
                 D=p.D, grid="x".join(map(str, p.grid)), prefix=p.prefix, topk=p.topk, cubes=p.cubes, gate=p.gate,
