@@ -2,8 +2,10 @@
 # The GPU check of a solattn checkout: the test suite and the benchmarks, in steps of under
 # 10 minutes each, with no network access needed.
 #
-#   bash benchmarks/gpu_check.sh tests-a     # first half of the test files (all tests, slow ones included)
+#   bash benchmarks/gpu_check.sh tests-a     # first half of the test files: the default run's tests and
+#                                            # every GPU test (slow or not)
 #   bash benchmarks/gpu_check.sh tests-b     # second half
+#   bash benchmarks/gpu_check.sh tests-slow  # the slow CPU-only tests (CI runs them too)
 #   bash benchmarks/gpu_check.sh bench-a     # benchmarks: peers (comfy-kitchen), plan
 #   bash benchmarks/gpu_check.sh bench-b     # benchmarks: backward, vsa (FastVideo)
 #   bash benchmarks/gpu_check.sh distributed # benchmarks: distributed, on 2 GPUs or more
@@ -43,18 +45,19 @@ echo "solattn $SOLATTN_REVISION on $DEVICE; results under $RESULTS"
 
 # the test files, split in two halves of about equal time on a GPU host
 TESTS_A="tests/test_backends.py tests/test_triton_backend.py tests/test_triton_backward.py tests/test_compile.py
-         tests/test_graphs.py tests/test_readme.py"
+         tests/test_graphs.py tests/test_readme.py tests/test_fused_plan.py tests/test_reference.py
+         tests/test_routing.py tests/test_validation.py tests/test_own_backward.py tests/test_plan.py"
 TESTS_B=$(ls tests/test_*.py | grep -v -x -F -f <(echo "$TESTS_A" | tr ' ' '\n' | grep .))
 
-run_tests() {   # name, files...
-  local name=$1; shift
+run_tests() {   # name, marker expression, files...
+  local name=$1 markers=$2; shift 2
   local log=$RESULTS/$name.log
   { echo "# solattn $SOLATTN_REVISION, $(date -u '+%Y-%m-%d %H:%M') UTC"
     echo "# command: bash benchmarks/gpu_check.sh $name"
-    echo "# python -m pytest -q -p no:cacheprovider -m '' --durations=15 $*"
+    echo "# python -m pytest -q -p no:cacheprovider -m '$markers' --durations=15 $*"
     $PY -c "import torch, sys; print('# torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', 'python', sys.version.split()[0])"
   } > "$log"
-  timeout ${TEST_S:-560} $PY -m pytest -q -p no:cacheprovider -m "" --durations=15 "$@" >> "$log" 2>&1
+  timeout ${TEST_S:-560} $PY -m pytest -q -p no:cacheprovider -m "$markers" --durations=15 "$@" >> "$log" 2>&1
   local rc=$?
   echo "# exit status $rc" >> "$log"
   tail -5 "$log"
@@ -68,12 +71,13 @@ bench() {   # names...
 status=0
 for step in "$@"; do
   case $step in
-    tests-a) run_tests tests-a $TESTS_A || status=1 ;;
-    tests-b) run_tests tests-b $TESTS_B || status=1 ;;
+    tests-a) run_tests tests-a "not slow or gpu" $TESTS_A || status=1 ;;
+    tests-b) run_tests tests-b "not slow or gpu" $TESTS_B || status=1 ;;
+    tests-slow) run_tests tests-slow "slow and not gpu" tests/ || status=1 ;;
     bench-a) bench peers plan || status=1 ;;
     bench-b) bench backward vsa || status=1 ;;
     distributed) bench distributed --nproc "$($PY -c 'import torch; print(torch.cuda.device_count())')" || status=1 ;;
-    *) echo "unknown step '$step'; allowed: tests-a tests-b bench-a bench-b distributed" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; allowed: tests-a tests-b tests-slow bench-a bench-b distributed" >&2; exit 2 ;;
   esac
 done
 exit $status

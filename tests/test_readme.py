@@ -17,7 +17,9 @@ def test_there_are_examples():
     assert len([b for b in BLOCKS if b[0].name == "README.md"]) >= 4
 
 
-@pytest.mark.parametrize("doc,i,code", BLOCKS, ids=[f"{d.name}-{i}" for d, i, _ in BLOCKS])
+# an example that compiles takes about 15 s of CPU: it runs with the slow tests
+@pytest.mark.parametrize("doc,i,code", [pytest.param(*b, marks=[pytest.mark.slow] if "torch.compile" in b[2] else [])
+                                        for b in BLOCKS], ids=[f"{d.name}-{i}" for d, i, _ in BLOCKS])
 def test_doc_example_runs(doc, i, code):
     if "comfy_kitchen" in code:
         pytest.importorskip("comfy_kitchen")
