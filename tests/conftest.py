@@ -2,9 +2,10 @@
 
 Markers (declared in pyproject.toml): ``slow`` tests are left out of the default run
 (``python -m pytest -q -m slow`` runs them, ``-m ""`` runs everything). A test is slow when
-its module marks it so, or when its id matches :data:`SLOW` below: the cases that took two
-seconds of CPU time or more, measured on a 2-core CPU, except one representative of each
-family (kept in the default run so every path is still exercised there). ``gpu`` is given here
+its module marks it so, when its id is listed in ``slow_tests.txt`` (the cases that took a
+second of CPU time or more, measured on a 2-core CPU), or when it matches :data:`SLOW` (the
+Triton kernel in the CPU interpreter); :data:`_KEEP` keeps one representative of each family in
+the default run, so every path is still exercised there. ``gpu`` is given here
 to every test that runs on a GPU (a ``cuda``/``xpu``/``mps`` device parameter, or a skip
 condition that asks for one), so ``-m gpu`` runs a GPU machine's own cases.
 """
@@ -53,42 +54,44 @@ def _compiles_flex(item) -> bool:
     return callspec is not None and any(getattr(v, "backend", None) == "flex" for v in callspec.params.values())
 
 
-#: test ids (fnmatch patterns) left out of the default run, with the representative each
-#: family keeps in it
+#: test ids left out of the default run: those listed in slow_tests.txt (measured), and the
+#: patterns below for the families measured as a whole (the Triton kernel in the CPU
+#: interpreter); _KEEP names the representative each family keeps in the default run
+_LISTED = frozenset(line.split("#")[0].strip() for line in
+                    open(os.path.join(os.path.dirname(__file__), "slow_tests.txt"), encoding="utf-8")
+                    if line.split("#")[0].strip())
 SLOW = (
-    # the Triton kernel in the CPU interpreter; kept: [triton-cpu-interpreted-bfloat16-everything]
-    "tests/test_backends.py::test_backend_matches_reference[[]triton-cpu-interpreted-*-[!e]*]",
-    "tests/test_backends.py::test_backend_matches_reference[[]triton-cpu-interpreted-float16-everything]",
-    "tests/test_backends.py::test_common_key_offset_keeps_bf16_precision[[]triton-cpu-interpreted]",
-    # video_sparse_attn through the interpreted kernel; kept: (4, 8, 8)-B1-P(70, 5, 64)-exempt-tensor-triton
-    "tests/test_video.py::test_matches_oracle[[]*-triton-*]",
-    "tests/test_video.py::test_k_vid_equal_to_cube_count_is_dense[[]segments[12]-*-triton]",
-    "tests/test_video.py::test_prefix_modes_differ_and_match_oracle[[]triton]",
-    "tests/test_video.py::test_gradients_match_float64_oracle[[]segments0-*]",
-    "tests/test_video.py::test_example_runs_and_reports_errors",
-    # the float64 loop oracle at T=260; kept: the shorter lengths
-    "tests/test_reference.py::test_reference_matches_plain_loop[[]260-*]",
-    # process groups and torchrun; kept: the other single-process comparisons
-    "tests/test_distributed.py::test_matches_single_process[[]topk]",
-    "tests/test_distributed.py::test_matches_single_process[[]grad_key_bias]",
-    "tests/test_distributed.py::test_matches_single_process[[]grad_sol]",
-    "tests/test_distributed.py::test_example_under_torchrun",
-    # a transformer against a float64 model; kept: the block-level comparisons' other cases
-    "tests/test_diffusers_fasth3.py::test_transformer_equals_float64_reference_model",
-    "tests/test_diffusers_fasth3.py::test_outside_the_window_dense_bit_for_bit_and_disable_restores",
-    "tests/test_diffusers_fasth3.py::test_block_attention_equals_float64_definition[[]compete]",
-    "tests/test_diffusers_fasth3.py::test_a_compiled_wrapper_reaches_its_module_and_enabling_twice_is_refused",
-    # a fresh interpreter per case
-    "tests/test_dispatch.py::test_backends_subpackage_and_listing_function_coexist",
-    "tests/test_dispatch.py::test_real_backward_in_a_thread_leaves_other_threads_forced_backend_alone",
-    "tests/test_dispatch.py::test_use_backend_reaches_compiled_calls_at_run_time",
-    "tests/test_bench_vsa.py::test_cpu_run_times_dense_and_solattn_forward_and_backward",
+    "tests/test_triton_backward.py::*cpu*",
+    "tests/test_triton_backend.py::test_*",
+    "tests/test_fused_plan.py::test_*",
+    "tests/test_backends.py::*triton-cpu-interpreted*",
+    "tests/test_video.py::*-triton*",
+    "tests/test_video.py::*[[]triton]",
+    "tests/test_finetune_example.py::*",
 )
-_KEEP = ("tests/test_video.py::test_matches_oracle[(4, 8, 8)-B1-P(70, 5, 64)-exempt-tensor-triton-bfloat16]",)
+_KEEP = frozenset({
+    "tests/test_backends.py::test_backend_matches_reference[triton-cpu-interpreted-bfloat16-everything]",
+    "tests/test_video.py::test_matches_oracle[(4, 8, 8)-B1-P(70, 5, 64)-exempt-tensor-triton-bfloat16]",
+    "tests/test_triton_backward.py::test_sol_attn_fused_gradients_match_reference[topk-notail-gate-bias-bf16-cpu]",
+    "tests/test_triton_backend.py::test_modes_and_tail[False-topk]",
+    "tests/test_triton_backend.py::test_kernel_config_accepts_what_ships",
+    "tests/test_triton_backend.py::test_launch_refuses_configs_that_do_not_ship",
+    "tests/test_triton_backend.py::test_interpreter_run_leaves_triton_unpatched",
+    "tests/test_triton_backend.py::test_reasons",
+    "tests/test_triton_backend.py::test_gpu_launches_ask_for_fused_multiply_adds",
+    "tests/test_fused_plan.py::test_modes_tail_coarse[topk-False]",
+    "tests/test_fused_plan.py::test_vsa_plan_matches_torch_plan[(70,)-True-exempt]",
+    "tests/test_fused_plan.py::test_dot_precision_follows_the_device",
+    "tests/test_fused_plan.py::test_not_used_with_autograd_or_off_the_interpreter",
+})
 
 
 def _is_slow(nodeid: str) -> bool:
-    return nodeid not in _KEEP and any(fnmatch.fnmatchcase(nodeid, pattern) for pattern in SLOW)
+    if nodeid in _KEEP:
+        return False
+    if nodeid.startswith("tests/test_triton_backend.py::test_kernel_config"):
+        return False                                  # argument checks: no kernel runs
+    return nodeid in _LISTED or any(fnmatch.fnmatchcase(nodeid, pattern) for pattern in SLOW)
 
 
 @pytest.hookimpl(tryfirst=True)
