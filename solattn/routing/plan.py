@@ -108,6 +108,20 @@ class Plan:
         """Fraction of (query block, key block) pairs attended exactly."""
         return float(self.kv_num_blocks.double().mean().item()) / self.n
 
+    #: the tensor fields in the order of :meth:`tensors`
+    TENSOR_FIELDS = ("kv_num_blocks", "kv_indices", "block_len", "key_mean", "tail_lse", "tail_value", "coarse",
+                     "touches_dead")
+
+    def tensors(self) -> List[Optional[torch.Tensor]]:
+        """The plan's tensors in :data:`TENSOR_FIELDS` order (None for an absent term): how a plan
+        travels as an argument of the ``solattn::sol_attn`` custom op."""
+        return [getattr(self, name) for name in self.TENSOR_FIELDS]
+
+    @classmethod
+    def from_tensors(cls, tensors, seq_len: int) -> "Plan":
+        """The plan whose :meth:`tensors` are ``tensors``, covering ``seq_len`` tokens."""
+        return cls(**dict(zip(cls.TENSOR_FIELDS, tensors)), seq_len=seq_len)
+
     def dense_mask(self) -> torch.Tensor:
         """The selection as a ``(B, H, n, n)`` bool block mask (allocated on each call)."""
         n, M = self.n, self.kv_indices.shape[-1]
