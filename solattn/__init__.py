@@ -19,9 +19,9 @@ from .budget import memory_budget, set_memory_budget
 from .dispatch import BackendError, best_device, list_backends, use_backend
 from .dispatch import register as register_backend
 from .graphs import cuda_graphs
-from .ops import sol_attn
+from .ops import plan, sol_attn
 from .validation import BLOCK
-from .video import tile, untile, video_sparse_attn
+from .video import tile, untile, video_plan, video_sparse_attn
 
 _dispatch.register(_ReferenceBackend())
 try:  # the triton backend imports Triton lazily; it reports a missing Triton as a reason
@@ -35,6 +35,6 @@ _dispatch.register(_FlexBackend())
 
 __version__ = "0.1.0"
 
-__all__ = ["sol_attn", "video_sparse_attn", "tile", "untile", "list_backends", "use_backend",
+__all__ = ["sol_attn", "video_sparse_attn", "plan", "video_plan", "tile", "untile", "list_backends", "use_backend",
            "best_device", "BackendError", "memory_budget", "set_memory_budget", "register_backend",
            "Backend", "BLOCK", "cuda_graphs", "__version__"]

@@ -193,7 +193,7 @@ def forced_backend() -> Optional[str]:
 def _reasons(backend: Backend, problem: Problem, plan_only: bool) -> List[str]:
     reasons = backend.not_supported_reasons(problem)
     if plan_only and not backend.uses_plan:
-        reasons = reasons + ["does not consume a routing plan (video_sparse_attn's selection needs one)"]
+        reasons = reasons + ["does not consume a routing plan (video_sparse_attn's selection and a caller's plan need one)"]
     return reasons
 
 

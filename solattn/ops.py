@@ -14,7 +14,7 @@ import torch
 
 from . import dispatch, pipeline
 from .modes import check_transforms, eager_call, plain_eager
-from .routing import build_plan
+from .routing import Plan, build_plan, check_plan
 from .validation import Problem, validate
 
 Tensor = torch.Tensor
@@ -46,7 +46,7 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
              sink_blocks: Optional[Sequence[int]] = None, sink_q: Optional[Sequence[int]] = None,
              key_bias: Optional[Tensor] = None, topk_ratio: float = 0.0, tail: bool = True,
              block_len: Optional[Tensor] = None, coarse_gate: Optional[Tensor] = None,
-             token_aug: int = 0, *, backend: Optional[str] = None) -> Tensor:
+             token_aug: int = 0, *, backend: Optional[str] = None, plan: Optional[Plan] = None) -> Tensor:
     """Block-sparse Sol-Attn (docs/SPEC.md): exact attention on routed 64-token key
     blocks, a pooled term for the rest, and an optional gated coarse branch.
 
@@ -65,24 +65,52 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
         coarse_gate: tensor of q's shape; adds ``gate * softmax(qm km^T) vm`` per block.
         token_aug: accepted for comfy-kitchen compatibility (0, 64, 128, 192 or 256); no effect.
         backend: force a backend by name (see :func:`solattn.list_backends`); keyword only.
+        plan: the routing plan to run, from :func:`solattn.plan` with these tensors' shapes and
+            branches (checked; a plan of another call is refused), instead of the one the call
+            would build; keyword only. It is a constant of the call (no gradient flows through
+            its terms) and runs on a backend that consumes plans.
 
     Returns:
         ``(B, T, H, D)`` contiguous tensor in v's dtype.
     """
-    validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
-             coarse_gate, token_aug)
+    problem = validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
+                       coarse_gate, token_aug)
     if backend is not None:
         dispatch.get_backend(backend)
+    given = pipeline.plan_operands(None if plan is None else check_plan(
+        "sol_attn", plan, problem.B, problem.H, problem.T, problem.D, problem.device, problem.tail,
+        coarse_gate is not None))
     want_lse = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, coarse_gate, key_bias))
     args = (q, k, v, float(tau), None if scale is None else float(scale), _as_list(sink_blocks),
             _as_list(sink_q), key_bias, float(topk_ratio), bool(tail), block_len, coarse_gate,
-            int(token_aug), backend or "", want_lse, None, 0, [], "exempt")   # no VSA route
+            int(token_aug), backend or "", want_lse, None, 0, [], "exempt", *given)   # no VSA route
     if not want_lse and plain_eager(q, k, v, key_bias, block_len, coarse_gate):
         # fn validates again (about 6 us on the CPU): under cuda_graphs() it is what a graph
         # captures, and validation makes new tensors (a bool key_bias becomes a float one) that
         # must be made inside the capture, from the caller's tensors, not once outside it
-        return eager_call(lambda: pipeline.forward(*args)[0], (q, k, v, key_bias, block_len, coarse_gate),
-                          ("sol_attn", *args[3:7], *args[8:10], *args[12:]))
+        return eager_call(lambda: pipeline.forward(*args)[0], (q, k, v, key_bias, block_len, coarse_gate, *given),
+                          ("sol_attn", *args[3:7], *args[8:10], *args[12:-pipeline.PLAN_OPERANDS]))
     check_transforms("sol_attn", (q, k, v, key_bias, coarse_gate))
     return pipeline.sol_attn_op(*args)[0]
+
+
+def plan(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[float] = None,
+         sink_blocks: Optional[Sequence[int]] = None, sink_q: Optional[Sequence[int]] = None,
+         key_bias: Optional[Tensor] = None, topk_ratio: float = 0.0, tail: bool = True,
+         block_len: Optional[Tensor] = None, coarse_gate: Optional[Tensor] = None,
+         token_aug: int = 0, *, backend: Optional[str] = None) -> Plan:
+    """The routing plan :func:`sol_attn` builds for these arguments (FlashInfer's plan/run split):
+    the selection, the pooled tail and the coarse term, built once. Pass it back as
+    ``sol_attn(..., plan=p)`` to run calls on it without routing again, or convert it with
+    ``p.to_block_mask()`` for FlexAttention. The same plan as a call without gradients builds on
+    the backend that would run it (``backend``: as for :func:`sol_attn`); built without autograd.
+
+        p = solattn.plan(q, k, v, topk_ratio=0.1)
+        out = solattn.sol_attn(q, k, v, topk_ratio=0.1, plan=p)   # == sol_attn(q, k, v, topk_ratio=0.1)
+    """
+    problem = validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
+                       coarse_gate, token_aug)
+    with torch.no_grad():
+        chosen = dispatch.choose(problem, backend, plan_only=True)
+        return build_plan(problem, fused=getattr(chosen, "fused_plan", False))

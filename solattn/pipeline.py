@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,7 +31,7 @@ from .backends.base import Backend
 from .backward import (PLANS, backward_buffers, fake_fused, fake_grads, fused_grads, fused_plan_allowed,
                        grads_as_outputs, grads_from_outputs, own_backward, recompute_grads, run_for_backward)
 from .modes import autograd_dispatch, forward_settings, traced
-from .routing import build_plan, build_vsa_plan
+from .routing import Plan, build_plan, build_vsa_plan
 from .validation import Problem, validate
 
 Tensor = torch.Tensor
@@ -55,11 +55,31 @@ class Call(NamedTuple):
     prefix_mode: str
 
 
-class Route:
-    """``sol_attn``'s route: the caller's token layout and Sol-Attn's selection."""
+#: the op's arguments that carry a caller's plan: its tensor fields, None without a plan
+PLAN_OPERANDS = len(Plan.TENSOR_FIELDS)
 
-    def __init__(self, call: Call):
+
+def plan_operands(plan: Optional[Plan]) -> Tuple[Optional[Tensor], ...]:
+    """A caller's plan as the op's last :data:`PLAN_OPERANDS` arguments (its
+    :meth:`~solattn.routing.Plan.tensors`; one optional tensor each, so that autograd, vmap and
+    tracing handle them like the op's other optional inputs); all None for none."""
+    return (None,) * PLAN_OPERANDS if plan is None else tuple(plan.tensors())
+
+
+def _given_plan(given: Sequence[Optional[Tensor]], seq_len: int) -> Plan:
+    """:func:`plan_operands` back to a plan, detached: a constant of the call."""
+    return Plan.from_tensors([None if t is None else t.detach() for t in given], seq_len)
+
+
+class Route:
+    """``sol_attn``'s route: the caller's token layout and Sol-Attn's selection, or the caller's
+    plan (``given``: :func:`plan_operands` of a plan checked by the front door; empty: none),
+    which the route then runs as a constant: only backends that consume plans, no gradient
+    through its terms."""
+
+    def __init__(self, call: Call, given: Sequence[Optional[Tensor]] = ()):
         self.call = call
+        self.given = tuple(given) if given and given[0] is not None else ()
 
     def rows(self) -> Optional[int]:
         """Rows of the layout the backend runs on, when they are not q's."""
@@ -89,9 +109,15 @@ class Route:
         return requested
 
     def choose(self, problem: Problem, requested: Optional[str]) -> Backend:
-        return dispatch.choose(problem, requested)
+        return dispatch.choose(problem, requested, plan_only=bool(self.given))
 
     def plan(self, problem: Problem, fused: bool = False):
+        """The routing plan of ``problem``: the caller's, else the selection rule's."""
+        if self.given:
+            return _given_plan(self.given, problem.T)
+        return self.build(problem, fused)
+
+    def build(self, problem: Problem, fused: bool = False):
         """The selection rule: the routing plan of ``problem``."""
         return build_plan(problem, fused=fused)
 
@@ -100,8 +126,8 @@ class VideoRoute(Route):
     """``video_sparse_attn``'s route: prefix segments and video cubes tiled into 64-row blocks,
     VSA's selection, only backends that consume a routing plan."""
 
-    def __init__(self, call: Call, device: torch.device):
-        super().__init__(call)
+    def __init__(self, call: Call, device: torch.device, given: Sequence[Optional[Tensor]] = ()):
+        super().__init__(call, given)
         self.device = device
 
     @functools.cached_property
@@ -135,7 +161,7 @@ class VideoRoute(Route):
     def choose(self, problem, requested):
         return dispatch.choose(problem, requested, plan_only=True)
 
-    def plan(self, problem, fused=False):
+    def build(self, problem, fused=False):
         c = self.call
         return build_vsa_plan(problem, c.k_vid, self.layout.num_prefix_blocks, c.prefix_mode, fused=fused)
 
@@ -159,8 +185,8 @@ def plan_backend(requested: Optional[str]) -> Optional[Backend]:
     return backend
 
 
-def route_of(call: Call, device: torch.device) -> Route:
-    return Route(call) if call.grid is None else VideoRoute(call, device)
+def route_of(call: Call, device: torch.device, given: Sequence[Optional[Tensor]] = ()) -> Route:
+    return Route(call, given) if call.grid is None else VideoRoute(call, device, given)
 
 
 def run(route: Route, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], key_bias: Optional[Tensor],
@@ -186,12 +212,12 @@ def forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],
             sink_blocks: Optional[List[int]], sink_q: Optional[List[int]], key_bias: Optional[Tensor],
             topk_ratio: float, tail: bool, block_len: Optional[Tensor], coarse_gate: Optional[Tensor],
             token_aug: int, backend: str, want_lse: bool, grid: Optional[List[int]], k_vid: int,
-            segments: List[int], prefix_mode: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+            segments: List[int], prefix_mode: str, *given: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The op's computation: ``(out, lse, resid, fused)``, where ``lse``, ``resid`` (in the
     backend's layout) and the CPU tensor ``fused`` are for the backward; ``want_lse``: a
-    backward may follow."""
+    backward may follow; ``given``: the caller's plan (:func:`plan_operands`), or nothing."""
     call = Call(tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode)
-    route = route_of(call, q.device)
+    route = route_of(call, q.device, given)
     with torch.no_grad():  # the forward never records autograd
         lse, resid = backward_buffers(q, v, want_lse, route.rows())
         out, fused = run(route, q, k, v, coarse_gate, key_bias, block_len, backend or None, (lse, resid))
@@ -203,15 +229,20 @@ def sol_attn_op(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[flo
                 sink_blocks: Optional[List[int]], sink_q: Optional[List[int]], key_bias: Optional[Tensor],
                 topk_ratio: float, tail: bool, block_len: Optional[Tensor], coarse_gate: Optional[Tensor],
                 token_aug: int, backend: str, want_lse: bool, grid: Optional[List[int]], k_vid: int,
-                segments: List[int], prefix_mode: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """See :func:`forward`."""
+                segments: List[int], prefix_mode: str, plan_kv_num_blocks: Optional[Tensor],
+                plan_kv_indices: Optional[Tensor], plan_block_len: Optional[Tensor], plan_key_mean: Optional[Tensor],
+                plan_tail_lse: Optional[Tensor], plan_tail_value: Optional[Tensor], plan_coarse: Optional[Tensor],
+                plan_touches_dead: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """See :func:`forward`; ``plan_*``: :func:`plan_operands`."""
     return forward(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate,
-                   token_aug, backend, want_lse, grid, k_vid, segments, prefix_mode)
+                   token_aug, backend, want_lse, grid, k_vid, segments, prefix_mode, plan_kv_num_blocks,
+                   plan_kv_indices, plan_block_len, plan_key_mean, plan_tail_lse, plan_tail_value, plan_coarse,
+                   plan_touches_dead)
 
 
 @sol_attn_op.register_fake
 def _(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate, token_aug,
-      backend, want_lse, grid, k_vid, segments, prefix_mode):
+      backend, want_lse, grid, k_vid, segments, prefix_mode, *given):
     rows = None if grid is None else tiling.tiled_rows(grid, segments)
     return (torch.empty(q.shape, dtype=v.dtype, device=v.device), *backward_buffers(q, v, want_lse, rows),
             fake_fused())
@@ -219,10 +250,10 @@ def _(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, bloc
 
 def _setup_context(ctx, inputs, output):
     q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate, \
-        token_aug, backend, want_lse, grid, k_vid, segments, prefix_mode = inputs
+        token_aug, backend, want_lse, grid, k_vid, segments, prefix_mode, *given = inputs
     out, lse, resid, fused = output
     ctx.mark_non_differentiable(lse, resid, fused)
-    ctx.save_for_backward(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused)
+    ctx.save_for_backward(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, *given)
     ctx.args = (tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode,
                 backend)
     ctx.settings = forward_settings()
@@ -231,12 +262,13 @@ def _setup_context(ctx, inputs, output):
 
 def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out,
            tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode,
-           backend, bias_grad: bool, gate_grad: bool, settings=None, plan=None):
+           backend, bias_grad: bool, gate_grad: bool, given=(), settings=None, plan=None):
     """``(dq, dk, dv, dgate, dbias)`` of the op (None where not asked for): the own backward of
     the backend that ran the forward, else a recomputation through a differentiable backend.
-    ``settings``, ``plan``: the forward's context and kept plan, when the backward runs eagerly."""
+    ``given``: the caller's plan as tensors, or empty; ``settings``, ``plan``: the forward's
+    context and kept plan, when the backward runs eagerly."""
     call = Call(tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode)
-    route = route_of(call, q.device)
+    route = route_of(call, q.device, given)
     gate = coarse_gate
     own = own_backward(lse, fused)
     if own is None:
@@ -279,36 +311,44 @@ def sol_attn_backward_op(q: Tensor, k: Tensor, v: Tensor, key_bias: Optional[Ten
                          grad_out: Tensor, tau: float, scale: Optional[float], sink_blocks: Optional[List[int]],
                          sink_q: Optional[List[int]], topk_ratio: float, tail: bool, token_aug: int,
                          grid: Optional[List[int]], k_vid: int, segments: List[int], prefix_mode: str,
-                         backend: str, bias_grad: bool, gate_grad: bool
-                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         backend: str, bias_grad: bool, gate_grad: bool, plan_kv_num_blocks: Optional[Tensor],
+                         plan_kv_indices: Optional[Tensor], plan_block_len: Optional[Tensor],
+                         plan_key_mean: Optional[Tensor], plan_tail_lse: Optional[Tensor],
+                         plan_tail_value: Optional[Tensor], plan_coarse: Optional[Tensor],
+                         plan_touches_dead: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward of ``solattn::sol_attn`` as one op, for a traced backward (compiled training,
     ``fullgraph=True`` included): :func:`_grads`, absent gradients as ``(0,)`` tensors."""
     with autograd_dispatch():
         grads = _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out, tau, scale,
                        sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode,
-                       backend, bias_grad, gate_grad)
+                       backend, bias_grad, gate_grad, (plan_kv_num_blocks, plan_kv_indices, plan_block_len,
+                                                       plan_key_mean, plan_tail_lse, plan_tail_value, plan_coarse,
+                                                       plan_touches_dead))
     return grads_as_outputs(grads, _grad_like(q, k, v, key_bias, coarse_gate, bias_grad, gate_grad),
                             (q, k, v, key_bias, block_len, coarse_gate, out, grad_out))
 
 
 @sol_attn_backward_op.register_fake
 def _(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out, tau, scale, sink_blocks,
-      sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode, backend, bias_grad, gate_grad):
+      sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode, backend, bias_grad, gate_grad,
+      *given):
     return fake_grads(_grad_like(q, k, v, key_bias, coarse_gate, bias_grad, gate_grad), q)
 
 
 def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
-    q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused = ctx.saved_tensors
+    q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, *given = ctx.saved_tensors
     # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
     bias_grad = bool(ctx.needs_input_grad[7] and key_bias is not None and key_bias.is_floating_point())
     gate_grad = bool(ctx.needs_input_grad[11] and coarse_gate is not None)
     saved = (q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out, *ctx.args,
              bias_grad, gate_grad)
     if traced(grad_out):     # the branch on the forward's ``fused`` flag reads data: one opaque op
-        gq, gk, gv, gg, gb = grads_from_outputs(sol_attn_backward_op(*saved))
+        gq, gk, gv, gg, gb = grads_from_outputs(sol_attn_backward_op(*saved, *given))
     else:
-        gq, gk, gv, gg, gb = _grads(*saved, settings=ctx.settings, plan=ctx.plan)
-    return gq, gk, gv, None, None, None, None, gb, None, None, None, gg, None, None, None, None, None, None, None
+        gq, gk, gv, gg, gb = _grads(*saved, given, settings=ctx.settings, plan=ctx.plan)
+    # the caller's plan is a constant of the call: no gradient
+    return (gq, gk, gv, None, None, None, None, gb, None, None, None, gg, None, None, None, None, None, None,
+            None, *([None] * PLAN_OPERANDS))
 
 
 sol_attn_op.register_autograd(_backward, setup_context=_setup_context)

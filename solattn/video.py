@@ -16,21 +16,21 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import pipeline
+from . import pipeline, tiling
 from .modes import check_transforms, eager_call, plain_eager
-from .routing import PREFIX_MODES, vsa_topk_from_sparsity
+from .routing import PREFIX_MODES, Plan, check_plan, vsa_topk_from_sparsity
 from .tiling import DEFAULT_CUBE, Grid, check_grid_cube, layout, num_cubes, tile, untile
 from .validation import SUPPORTED_DTYPES, finite, validate
 from .validation import fail as _fail
 
-__all__ = ["video_sparse_attn", "tile", "untile", "num_cubes", "DEFAULT_CUBE", "Grid"]
+__all__ = ["video_sparse_attn", "video_plan", "tile", "untile", "num_cubes", "DEFAULT_CUBE", "Grid"]
 
 
 def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,
                       sparsity: Optional[float] = None, topk: Optional[int] = None,
                       gate: Union[torch.Tensor, float, None] = None, scale: Optional[float] = None,
                       backend: Optional[str] = None, prefix_len: Union[int, Sequence[int]] = 0,
-                      prefix_mode: str = "exempt") -> torch.Tensor:
+                      prefix_mode: str = "exempt", plan: Optional[Plan] = None) -> torch.Tensor:
     """Video sparse attention with FastVideo's VSA-H3 semantics (SPEC.md, "VSA entry point"),
     in the model's raw (packed) token order.
 
@@ -56,6 +56,9 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
         prefix_mode: ``"exempt"`` (default): every prefix key tile is kept on top of the ``k_vid``
             best video tiles; ``"compete"``: the ``min(k_vid + n_prefix_tiles, n)`` best tiles of
             the whole row.
+        plan: the routing plan to run, from :func:`video_plan` with these shapes and a gate exactly
+            when this call has one (checked), instead of the one the call would build. It is a
+            constant of the call (no gradient flows through its coarse term).
 
     Selection ranks ``S = scale * qm km^T`` (fp32 means over live rows, uncentred) per query
     tile; ties at the boundary are all kept. Prefix query tiles attend every tile; with
@@ -68,6 +71,51 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
         gate when the chosen backend supports autograd (the selection is treated as constant).
     """
     fn = "video_sparse_attn"
+    grid, segments, k_vid, gate = _checked(fn, q, k, v, grid, sparsity, topk, gate, scale, backend, prefix_len,
+                                           prefix_mode)
+    if plan is not None:
+        B, _, H, D = q.shape
+        check_plan(fn, plan, B, H, tiling.tiled_rows(grid, segments), D, q.device, False, gate is not None)
+    given = pipeline.plan_operands(plan)
+    want_lse = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, gate))
+    # sol_attn's arguments as VSA's route reads them: the scale and the gate (no tail, sinks, bias)
+    args = (q, k, v, 1.0, None if scale is None else float(scale), None, None, None, 0.0, False, None, gate, 0,
+            backend or "", want_lse, list(grid), int(k_vid), list(segments), prefix_mode, *given)
+    if not want_lse and plain_eager(q, k, v, gate):
+        # through the cuda_graphs() cache when one is active: the fused plan (CUDA, triton) has no
+        # host syncs, other plans stay eager; the cached layout's tables are read too, so they key
+        tiles = layout(grid, DEFAULT_CUBE, segments, q.device)
+        return eager_call(lambda: pipeline.forward(*args)[0],
+                          (q, k, v, gate, *tiles[:3], tiles.block_len, *given),
+                          ("video_sparse_attn", args[4], *args[13:-pipeline.PLAN_OPERANDS]))
+    check_transforms("video_sparse_attn", (q, k, v, gate))
+    return pipeline.sol_attn_op(*args)[0]
+
+
+def video_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,
+               sparsity: Optional[float] = None, topk: Optional[int] = None,
+               gate: Union[torch.Tensor, float, None] = None, scale: Optional[float] = None,
+               backend: Optional[str] = None, prefix_len: Union[int, Sequence[int]] = 0,
+               prefix_mode: str = "exempt") -> Plan:
+    """The routing plan :func:`video_sparse_attn` builds for these arguments, in its tiled layout
+    (``seq_len``: the tiled rows): VSA's selection and, with a gate, the coarse term. Pass it back
+    as ``video_sparse_attn(..., plan=p)``; built without autograd (see :func:`solattn.plan`)."""
+    fn = "video_plan"
+    grid, segments, k_vid, gate = _checked(fn, q, k, v, grid, sparsity, topk, gate, scale, backend, prefix_len,
+                                           prefix_mode)
+    call = pipeline.Call(1.0, None if scale is None else float(scale), None, None, 0.0, False, 0, list(grid),
+                         int(k_vid), list(segments), prefix_mode)
+    route = pipeline.VideoRoute(call, q.device)
+    with torch.no_grad():
+        tq, tk, tv = (route.tiled(x) for x in (q, k, v))
+        problem = route.problem(tq, tk, tv, route.gate(gate, tq), None, None)
+        chosen = route.choose(problem, route.requested(backend or None))
+        return route.build(problem, fused=getattr(chosen, "fused_plan", False))
+
+
+def _checked(fn: str, q, k, v, grid, sparsity, topk, gate, scale, backend, prefix_len, prefix_mode):
+    """Every argument of :func:`video_sparse_attn` checked: ``(grid, segments, k_vid, gate)``."""
     try:
         validate(q, k, v, scale=scale)
     except (TypeError, ValueError) as err:  # same checks as sol_attn, named after this function
@@ -89,19 +137,7 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     k_vid = _resolve_topk(fn, sparsity, topk, n_video)
     gate = _check_gate(fn, gate, q, P, n_video_tokens)
     pipeline.plan_backend(backend)                 # a backend that cannot serve VSA: refuse now
-    want_lse = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, gate))
-    # sol_attn's arguments as VSA's route reads them: the scale and the gate (no tail, sinks, bias)
-    args = (q, k, v, 1.0, None if scale is None else float(scale), None, None, None, 0.0, False, None, gate, 0,
-            backend or "", want_lse, list(grid), int(k_vid), list(segments), prefix_mode)
-    if not want_lse and plain_eager(q, k, v, gate):
-        # through the cuda_graphs() cache when one is active: the fused plan (CUDA, triton) has no
-        # host syncs, other plans stay eager; the cached layout's tables are read too, so they key
-        tiles = layout(grid, cube, segments, q.device)
-        return eager_call(lambda: pipeline.forward(*args)[0], (q, k, v, gate, *tiles[:3], tiles.block_len),
-                          ("video_sparse_attn", args[4], *args[13:]))
-    check_transforms("video_sparse_attn", (q, k, v, gate))
-    return pipeline.sol_attn_op(*args)[0]
+    return grid, segments, k_vid, gate
 
 
 def _check_segments(fn: str, prefix_len) -> Tuple[int, ...]:

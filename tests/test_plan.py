@@ -85,7 +85,10 @@ def test_flex_attention_with_the_block_mask_is_sol_attn_without_tail(dtype):
 
 def test_a_plan_for_another_call_is_refused():
     problem, plan = _plan(T=300, topk_ratio=0.3)
-    assert routing.check_plan("sol_attn", problem, plan) is plan
+    def check(p, plan):
+        return routing.check_plan("sol_attn", plan, p.B, p.H, p.T, p.D, p.device, p.tail, p.coarse_gate is not None)
+
+    assert check(problem, plan) is plan
     q, k, v = make_qkv(2, 300, 3, 16, seed=1)
     cases = [
         (validate(q[:, :200], k[:, :200], v[:, :200], topk_ratio=0.3), r"B=2 H=3 T=300 .*allowed: .*T=200"),
@@ -96,9 +99,9 @@ def test_a_plan_for_another_call_is_refused():
     ]
     for other, pattern in cases:
         with pytest.raises(ValueError, match=r"sol_attn: argument 'plan' received a plan of " + pattern):
-            routing.check_plan("sol_attn", other, plan)
+            check(other, plan)
     with pytest.raises(TypeError, match=r"argument 'plan' received Tensor; allowed: None or a solattn Plan"):
-        routing.check_plan("sol_attn", problem, plan.kv_indices)
+        check(problem, plan.kv_indices)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled flex_attention)")
@@ -130,3 +133,67 @@ def test_query_lists_of_an_n_wide_plan_need_no_host_sync():
     c_num, c_idx = plan.query_lists()
     assert q_idx.shape[-1] == n and torch.equal(q_num, c_num)
     assert torch.equal(q_idx[..., :c_idx.shape[-1]], c_idx) and not q_idx[..., c_idx.shape[-1]:].any()
+
+
+# ----------------------------------------------------------------------------- built once, passed back in
+
+def test_a_call_on_its_own_plan_gives_the_same_output():
+    q, k, v = make_qkv(2, 300, 2, 32, seed=6)
+    gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(7))
+    bias = torch.randn(2, 300, generator=torch.Generator().manual_seed(8))
+    for kw in (dict(topk_ratio=0.3), dict(tau=0.5, coarse_gate=gate, key_bias=bias, sink_blocks=(0, 1))):
+        p = solattn.plan(q, k, v, **kw)
+        assert p.seq_len == 300 and p.block_size == 64
+        assert torch.equal(solattn.sol_attn(q, k, v, **kw, plan=p), solattn.sol_attn(q, k, v, **kw))
+
+
+def test_gradients_on_a_given_plan():
+    """A given plan is a constant of the call: without pooled terms (tail=False, no gate) the
+    gradients are those of the call that builds its own plan (whose selection is constant too)."""
+    q, k, v = make_qkv(1, 200, 2, 32, seed=9)
+    p = solattn.plan(q, k, v, topk_ratio=0.4, tail=False)
+    grads = []
+    for plan in (p, None):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        solattn.sol_attn(*leaves, topk_ratio=0.4, tail=False, plan=plan).square().sum().backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_plan_that_does_not_fit_the_call_is_refused():
+    q, k, v = make_qkv(1, 200, 2, 32, seed=10)
+    p = solattn.plan(q, k, v, topk_ratio=0.3)
+    with pytest.raises(ValueError, match=r"sol_attn: argument 'plan' received a plan of .*T=200.*allowed: .*T=136"):
+        solattn.sol_attn(q[:, :136], k[:, :136], v[:, :136], topk_ratio=0.3, plan=p)
+    with pytest.raises(ValueError, match=r"argument 'plan' .*with tail terms.*allowed: .*without tail"):
+        solattn.sol_attn(q, k, v, topk_ratio=0.3, tail=False, plan=p)
+    with pytest.raises(TypeError, match=r"argument 'plan' received dict"):
+        solattn.sol_attn(q, k, v, topk_ratio=0.3, plan={})
+    # the reference backend routes by itself: it cannot run a given plan
+    with pytest.raises(solattn.BackendError, match="does not consume a routing plan"):
+        solattn.sol_attn(q, k, v, topk_ratio=0.3, plan=p, backend="reference")
+
+
+def test_video_sparse_attn_on_its_own_plan():
+    grid, P = (4, 8, 8), 70
+    q, k, v = make_qkv(1, P + 256, 2, 64, seed=11)
+    gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(12))
+    kw = dict(sparsity=0.75, gate=gate, prefix_len=P)
+    p = solattn.video_plan(q, k, v, grid, **kw)
+    assert p.seq_len == 128 + 256 and p.coarse is not None and p.tail_lse is None   # tiled rows
+    assert torch.equal(solattn.video_sparse_attn(q, k, v, grid, **kw, plan=p),
+                       solattn.video_sparse_attn(q, k, v, grid, **kw))
+    with pytest.raises(ValueError, match=r"video_sparse_attn: argument 'plan' .*coarse.*allowed: .*without"):
+        solattn.video_sparse_attn(q, k, v, grid, sparsity=0.75, prefix_len=P, plan=p)
+
+
+def test_the_triton_backend_runs_its_own_fused_plan(monkeypatch):
+    """On the triton backend the plan is the fused one (n wide); passed back in, the same output."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = make_qkv(1, 200, 2, 32, dtype=torch.float16, seed=13)
+    p = solattn.plan(q, k, v, topk_ratio=0.4, backend="triton")
+    assert p.kv_indices.shape[-1] == p.n
+    assert torch.equal(solattn.sol_attn(q, k, v, topk_ratio=0.4, backend="triton", plan=p),
+                       solattn.sol_attn(q, k, v, topk_ratio=0.4, backend="triton"))

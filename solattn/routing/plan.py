@@ -177,15 +177,15 @@ def _describe(batch: int, heads: int, seq_len: int, head_dim: int, block_size: i
             f"{'with ' + ' and '.join(terms) + ' terms' if terms else 'without tail or coarse terms'}")
 
 
-def check_plan(fn: str, problem: Problem, plan) -> Plan:
-    """``plan``, when it was built for ``problem``'s shapes, block size, device and branches (the
-    tail terms exactly when ``problem.tail``, the coarse term exactly when it has a coarse gate);
-    else a ``TypeError`` / ``ValueError`` naming ``fn``'s argument ``plan``, what it holds and what
-    the call needs. Metadata only: no host sync."""
+def check_plan(fn: str, plan, B: int, H: int, T: int, D: int, device: torch.device, tail: bool,
+               coarse: bool) -> Plan:
+    """``plan``, when it was built for a call of these shapes (``T``: the rows the backend runs
+    on), 64-token blocks, ``device`` and branches (tail terms exactly when ``tail``, a coarse term
+    exactly when ``coarse``); else a ``TypeError`` / ``ValueError`` naming ``fn``'s argument
+    ``plan``, what it holds and what the call needs. Metadata only: no host sync."""
     if not isinstance(plan, Plan):
-        fail(fn, "plan", type(plan).__name__, "None or a solattn Plan (solattn.routing.Plan)", TypeError)
-    want = _describe(problem.B, problem.H, problem.T, problem.D, BLOCK, problem.device, problem.tail,
-                     problem.coarse_gate is not None)
+        fail(fn, "plan", type(plan).__name__, "None or a solattn Plan (solattn.plan(...))", TypeError)
+    want = _describe(B, H, T, D, BLOCK, torch.device(device), tail, coarse)
     got = _describe(plan.batch, plan.heads, plan.seq_len, plan.head_dim, plan.block_size, plan.device,
                     plan.tail_lse is not None, plan.coarse is not None)
     if got != want:
