@@ -8,6 +8,12 @@ Triton kernel in the CPU interpreter); :data:`_KEEP` keeps one representative of
 the default run, so every path is still exercised there. ``gpu`` is given here
 to every test that runs on a GPU (a ``cuda``/``xpu``/``mps`` device parameter, or a skip
 condition that asks for one), so ``-m gpu`` runs a GPU machine's own cases.
+
+The automatic CPU choice depends on the machine (the ``flex`` backend comes first on CPUs with
+AMX): every test runs with ``SOLATTN_FLEX_CPU=0`` (:func:`cpu_priority_without_flex`), so the
+CPU priority is ``sdpa > reference`` on any CPU, in this process and in the interpreters its
+tests start. A test about the flex rule opts in by setting or deleting the variable itself
+(tests/test_flex.py).
 """
 
 from __future__ import annotations
@@ -101,6 +107,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if item.get_closest_marker("slow") is None and (_compiles_flex(item) or _is_slow(item.nodeid)):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def cpu_priority_without_flex(monkeypatch):
+    """The automatic CPU choice independent of the CPU's AMX: flex only when asked for by name."""
+    monkeypatch.setenv("SOLATTN_FLEX_CPU", "0")
 
 
 @pytest.fixture

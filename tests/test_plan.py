@@ -107,8 +107,10 @@ def test_a_plan_for_another_call_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled flex_attention)")
 def test_compiled_flex_attention_with_the_block_mask_on_cuda():
     """The full/partial split of ``to_block_mask()`` is what a compiled flex kernel reads (the
-    mask_mod runs in partial blocks only): it must give ``sol_attn``'s exact branch too."""
+    mask_mod runs in partial blocks only): it must give ``sol_attn``'s exact branch too. The
+    kernel's tiles divide the 64 x 64 blocks (torch's defaults on recent GPUs are 128 rows)."""
     from torch.nn.attention.flex_attention import flex_attention
+    from solattn.backends.flex.kernel import CUDA_KERNEL_OPTIONS
     q, k, v = make_qkv(2, 1000, 4, 64, dtype=torch.bfloat16, device="cuda", seed=5)
     bl = torch.full((16,), 64, dtype=torch.int32, device="cuda")
     bl[3], bl[9] = 20, 1
@@ -117,7 +119,7 @@ def test_compiled_flex_attention_with_the_block_mask_on_cuda():
     want = solattn.sol_attn(q, k, v, topk_ratio=0.3, tail=False, block_len=bl, backend="reference")
     flex = torch.compile(flex_attention, dynamic=False)
     got = flex(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=plan.to_block_mask(),
-               scale=problem.scale).transpose(1, 2)
+               scale=problem.scale, kernel_options=dict(CUDA_KERNEL_OPTIONS)).transpose(1, 2)
     live = routing.live_token_mask(plan.block_len).reshape(-1)[:1000]
     assert rel_l2(got[:, live].float(), want[:, live].float()) < 1e-2
 

@@ -17,12 +17,19 @@ def test_there_are_examples():
     assert len([b for b in BLOCKS if b[0].name == "README.md"]) >= 4
 
 
+#: optional packages (pyproject.toml extras) an example may import: skipped where one is absent
+OPTIONAL = ("diffusers", "comfy_kitchen", "accelerate", "matplotlib")
+
+
 # an example that compiles takes about 15 s of CPU: it runs with the slow tests
 @pytest.mark.parametrize("doc,i,code", [pytest.param(*b, marks=[pytest.mark.slow] if "torch.compile" in b[2] else [])
                                         for b in BLOCKS], ids=[f"{d.name}-{i}" for d, i, _ in BLOCKS])
 def test_doc_example_runs(doc, i, code):
     if "comfy_kitchen" in code:
         pytest.importorskip("comfy_kitchen")
+    for name in re.findall(r"^\s*(?:from|import)\s+(\w+)", code, re.M):
+        if name in OPTIONAL:
+            pytest.importorskip(name, reason=f"the example needs the optional package {name}, not installed here")
     exec(compile(code, f"{doc.name}[{i}]", "exec"), {"__name__": "__main__"})
 
 

@@ -4,13 +4,16 @@
 What it needs, and says when missing (:meth:`FlexBackend.device_reasons`): a torch with
 FlexAttention, a working ``torch.compile`` for the device (on the CPU a C++ compiler and
 AVX2), and on XPU an explicit opt-in (``SOLATTN_FLEX_XPU=1``: never run on Intel GPUs here).
-A compilation that fails in a call is recorded as a reason for the device type, the call
-falls back to the next backend of the priority list (a warning says why), and the automatic
-choice skips ``flex`` from then on.
+A compilation that fails in a call is recorded as a reason for that shape (device type, dtype,
+B, T, H, D), the call falls back to the next backend of the priority list (a warning says why),
+and the automatic choice skips ``flex`` for that shape from then on; other shapes still try it.
 
 When the automatic choice takes it (:func:`automatic`): on CPUs whose matrix unit (AMX) the
-compiled kernel uses, where it measured faster than the ``sdpa`` backend, and on XPU when
-opted in; elsewhere only by name. ``SOLATTN_FLEX_CPU=1`` / ``=0`` overrides the CPU rule.
+compiled kernel uses, where it measured faster than the ``sdpa`` backend, with a torch whose
+CPU lowering is known to compile every call shape (:data:`CPU_TORCH`: torch 2.11's refuses a
+compiled graph where the coarse branch follows the attention, "Unsupported for epilogue_nodes
+in CppFlexAttentionTemplate"), and on XPU when opted in; elsewhere only by name.
+``SOLATTN_FLEX_CPU=1`` / ``=0`` overrides the CPU rule.
 """
 
 from __future__ import annotations
@@ -35,15 +38,30 @@ __all__ = ["FlexBackend", "XPU_OPT_IN", "CPU_SWITCH", "amx_usable", "automatic",
 XPU_OPT_IN = "SOLATTN_FLEX_XPU"
 #: environment variable that overrides the CPU rule of the automatic choice: 1 (take flex first), 0 (never)
 CPU_SWITCH = "SOLATTN_FLEX_CPU"
+#: the oldest torch whose CPU flex_attention lowering compiled every shape of the test suite
+CPU_TORCH = "2.13"
 
-#: device type -> why a compilation failed there (filled by failed calls; see FlexBackend.forward)
-_failures: Dict[str, str] = {}
+#: shape (device type, dtype, B, T, H, D) -> why its compilation failed (filled by failed calls;
+#: see FlexBackend.forward)
+_failures: Dict[tuple, str] = {}
 _failures_lock = threading.Lock()
 
 
 def failures() -> Dict[str, str]:
-    """Device types where a compilation failed in this process, and the error."""
-    return dict(_failures)
+    """Shapes whose compilation failed in this process (``"cpu float32 B=1 T=320 H=1 D=16"``),
+    and the error."""
+    return {f"{d} {str(t).replace('torch.', '')} B={b} T={n} H={h} D={e}": why
+            for (d, t, b, n, h, e), why in _failures.items()}
+
+
+def _shape(problem: Problem) -> tuple:
+    return (problem.device.type, problem.dtype, problem.B, problem.T, problem.H, problem.D)
+
+
+def cpu_torch_known_good() -> bool:
+    """Whether this torch is at least :data:`CPU_TORCH` (its CPU lowering compiles every shape)."""
+    from torch.torch_version import TorchVersion
+    return TorchVersion(torch.__version__.split("+")[0]) >= CPU_TORCH
 
 
 def amx_usable() -> bool:
@@ -64,8 +82,9 @@ def amx_usable() -> bool:
 
 def automatic(device_type: str) -> bool:
     """Whether the automatic choice may take ``flex`` on ``device_type`` (it is listed ahead of
-    ``sdpa`` there): CPUs with usable AMX (or ``SOLATTN_FLEX_CPU=1``; ``=0`` never), XPUs opted in
-    with ``SOLATTN_FLEX_XPU=1``. Elsewhere it runs only when asked for by name."""
+    ``sdpa`` there): CPUs with usable AMX and torch :data:`CPU_TORCH` or later (or
+    ``SOLATTN_FLEX_CPU=1``; ``=0`` never), XPUs opted in with ``SOLATTN_FLEX_XPU=1``. Elsewhere it
+    runs only when asked for by name (then on any torch with flex_attention)."""
     if device_type == "cpu":
         switch = os.environ.get(CPU_SWITCH, "").strip()
         if switch in ("0", "1"):
@@ -73,7 +92,7 @@ def automatic(device_type: str) -> bool:
         if switch:
             raise ValueError(f"environment variable {CPU_SWITCH} received {switch!r}; allowed: unset, "
                              f"'1' (flex first on the CPU) or '0' (never chosen automatically)")
-        return amx_usable()
+        return amx_usable() and cpu_torch_known_good()
     if device_type == "xpu":
         return os.environ.get(XPU_OPT_IN, "0") == "1"
     return False
@@ -127,7 +146,7 @@ def _cpp_compiler() -> bool:
 class FlexBackend(Backend):
     name = "flex"
     description = ("compiled FlexAttention with the plan as its BlockMask (gather free); chosen "
-                   "automatically on CPUs with AMX and on XPU with SOLATTN_FLEX_XPU=1; the first call "
+                   "automatically on CPUs with AMX (torch 2.13+) and on XPU with SOLATTN_FLEX_XPU=1; the first call "
                    "of each shape compiles (seconds)")
     devices = frozenset({"cpu", "cuda", "xpu"})
     #: forward only: torch 2.13's CPU flex_attention lowering is inference-only, so gradients of a
@@ -143,11 +162,11 @@ class FlexBackend(Backend):
             return [f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs torch 2.5+)"]
         if device.type == "xpu" and os.environ.get(XPU_OPT_IN, "0") != "1":
             return [f"not yet run on real Intel hardware, so xpu needs an explicit opt-in: set {XPU_OPT_IN}=1"]
-        reasons = _compile_reasons(device)
-        failed = _failures.get(device.type)
-        if failed:
-            reasons.append(f"torch.compile failed here earlier: {failed}")
-        return reasons
+        return _compile_reasons(device)
+
+    def problem_reasons(self, problem: Problem) -> List[str]:
+        failed = _failures.get(_shape(problem))
+        return [f"torch.compile failed for this shape earlier: {failed}"] if failed else []
 
     def forward(self, problem: Problem, plan=None) -> torch.Tensor:
         if plan is None:
@@ -168,11 +187,10 @@ class FlexBackend(Backend):
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         why = f"{type(err).__name__}: {first[:300]} (at {problem.describe()})"
         with _failures_lock:
-            _failures[problem.device.type] = why
-        clear_cache()
+            _failures[_shape(problem)] = why
         with dispatch.without_forced_backend():
             backend = dispatch.choose(problem)
         warnings.warn(f"solattn: the flex backend could not compile this call ({why}); it ran on "
-                      f"'{backend.name}' instead, and flex is skipped on {problem.device.type} from now on",
+                      f"'{backend.name}' instead, and flex is skipped for this shape from now on",
                       RuntimeWarning, stacklevel=4)
         return backend.forward(problem, plan if backend.uses_plan else None)

@@ -16,9 +16,15 @@ One compiled function per call shape (:class:`Key`) computes SPEC.md's output fr
   softmax is SPEC.md's. Each query block attends one extra key block (its tail slot's).
 - the coarse branch is added after the cast, inside the same compiled graph.
 
-Compiled functions are cached per :class:`Key`; each holds its own copy of the traced code, so
-torch.compile's per-function recompile limit never applies across shapes and a call with new
-tensors of a cached shape runs without tracing again.
+Compiled functions are cached per :class:`Key`, so a call with new tensors of a cached shape runs
+without tracing again. Each holds its own copy of the traced code, but torch.compile (2.11 and
+later) enters every compiled function through one shared wrapper frame, whose recompile limit
+(8 by default) would then count every shape of the process: the compiled calls run with that
+limit raised (:func:`_shape_limit`), so any number of shapes compiles, each once.
+
+On CUDA the kernel's tile sizes are set to divide the 64 x 64 blocks of the mask
+(:data:`CUDA_KERNEL_OPTIONS`): torch's defaults on recent GPUs use 128-row tiles, which a
+64 x 64 ``BlockMask`` refuses to lower with.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ from ...validation import BLOCK, Problem
 
 #: compiled functions kept (least recently used dropped first)
 CACHE_SIZE = 32
+#: recompile limit of the compiled calls' shared entry frame while they run: far above any
+#: number of shapes one process sees (evicted keys compile again and count again)
+RECOMPILE_LIMIT = 100_000
+#: flex_attention tile sizes on CUDA (forward BLOCK_M x BLOCK_N, backward M1 x N1 for dK/dV and
+#: M2 x N2 for dQ), each dividing the mask's 64 x 64 blocks
+CUDA_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64,
+                       "BLOCK_M2": 64, "BLOCK_N2": 32}
 
 
 @dataclass(frozen=True)
@@ -104,7 +117,9 @@ def _attend(key: Key, q, k, v, kv_num, kv_idx, full_num, full_idx, bias, live, t
                                     mask_mod=mask_mod if key.masked else None,
                                     seq_lengths=(T, key.key_len), compute_q_blocks=False)
     mod = score_mod if (bias is not None or tlog is not None) else None
-    out = flex_attention(q, k, v, score_mod=mod, block_mask=mask, scale=scale).transpose(1, 2)
+    options = dict(CUDA_KERNEL_OPTIONS) if q.device.type == "cuda" else None
+    out = flex_attention(q, k, v, score_mod=mod, block_mask=mask, scale=scale,
+                         kernel_options=options).transpose(1, 2)
     if key.coarse:
         blocks = torch.arange(T, device=q.device) // BLOCK
         add = gate.float() * coarse[:, :, blocks].transpose(1, 2)        # (B, T, H, D) fp32
@@ -146,6 +161,15 @@ def compiled_for(key: Key) -> Callable:
         else:
             _cache.move_to_end(key)
     return fn
+
+
+def _shape_limit():
+    """A context in which torch.compile's recompile limits (per entry frame and accumulated) are
+    :data:`RECOMPILE_LIMIT`, under the names this torch uses."""
+    from torch._dynamo import config
+    pairs = (("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit"))
+    names = [next(n for n in pair if hasattr(config, n)) for pair in pairs if any(hasattr(config, n) for n in pair)]
+    return config.patch(**{n: max(getattr(config, n), RECOMPILE_LIMIT) for n in names})
 
 
 def cached_keys() -> Tuple[Key, ...]:
@@ -234,4 +258,5 @@ def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
     args = (q, k, v, kv_num, kv_idx, full_num, full_idx, bias, live_rows, tlog, p.coarse_gate, plan.coarse)
     # forward only: the inputs of a training call's forward may still require grad, which the
     # inference-only lowering refuses
-    return fn(*(None if a is None else a.detach() for a in args))
+    with _shape_limit():
+        return fn(*(None if a is None else a.detach() for a in args))
