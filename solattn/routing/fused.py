@@ -177,7 +177,7 @@ def fused_plan_usable(problem: Problem) -> bool:
     On an H200 the fused plan is the faster one at every size measured (bf16, D=128): at the seed
     shape (B=2, T=4056, H=16) its kernels take 0.05-0.07 ms of GPU time against the torch plan's
     1.0 ms of mostly launch-bound work, and at H3 (B=1, T=37296, H=56) 0.72 ms (top-k) and
-    0.87 ms (tau with the tail) against 2.5-3.1 ms (``benchmarks/diag/plan_h3_fused.py``)."""
+    0.87 ms (tau with the tail) against 2.5-3.1 ms (``python benchmarks/run.py plan``; docs/kernel-notes.md)."""
     dev = problem.device.type
     if not (dev == "cuda" or (dev == "cpu" and interpreting())):
         return False
@@ -280,8 +280,8 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
         km, m, var, n, NEED_VAR=tau_mode, HEAD_DIM=D, BD=bd, BJ=max(16, min(256, _pow2(n), 8192 // bd)),
         num_warps=4)
 
-    # launch parameters from sweeps on an H200 at D=128 (benchmarks/diag/plan_h3_fused.py sweep,
-    # select_cost.py): with tf32x3 products, 16-row tiles in 4 warps ran the select kernel in
+    # launch parameters from sweeps on an H200 at D=128 (sweeps kept in git history;
+    # docs/kernel-notes.md): with tf32x3 products, 16-row tiles in 4 warps ran the select kernel in
     # 0.68-0.77 ms at H3 (with the tail, which it then also computed) against 0.91-1.20 ms with 32
     # rows in 8 warps; with IEEE products (FMA, no tensor cores) 4 warps took 7.8 ms in tau mode
     # with the tail, so those keep 8 warps (2.3-2.5 ms) and the 32-row tiles that halve the reads
