@@ -323,7 +323,7 @@ def test_backends_subpackage_and_listing_function_coexist():
 
 def test_public_surface_is_the_user_facing_names():
     assert set(solattn.__all__) == {
-        "sol_attn", "video_sparse_attn", "tile", "untile", "list_backends", "use_backend",
+        "sol_attn", "video_sparse_attn", "plan", "video_plan", "tile", "untile", "list_backends", "use_backend",
         "best_device", "BackendError", "memory_budget", "set_memory_budget", "register_backend",
         "Backend", "BLOCK", "cuda_graphs", "__version__"}
     for name in solattn.__all__:
