@@ -84,10 +84,11 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
             backend or "", want_lse, list(grid), int(k_vid), list(segments), prefix_mode, *given)
     if not want_lse and plain_eager(q, k, v, gate):
         # through the cuda_graphs() cache when one is active: the fused plan (CUDA, triton) has no
-        # host syncs, other plans stay eager; the cached layout's tables are read too, so they key
+        # host syncs, other plans stay eager; the cached layout's tables are read too, so they key,
+        # and so are a given plan's tensors (none without a plan: the op's padding is not read)
         tiles = layout(grid, DEFAULT_CUBE, segments, q.device)
         return eager_call(lambda: pipeline.forward(*args)[0],
-                          (q, k, v, gate, *tiles[:3], tiles.block_len, *given),
+                          (q, k, v, gate, *tiles[:3], tiles.block_len, *(given if plan is not None else ())),
                           ("video_sparse_attn", args[4], *args[13:-pipeline.PLAN_OPERANDS]))
     check_transforms("video_sparse_attn", (q, k, v, gate))
     return pipeline.sol_attn_op(*args)[0]
