@@ -10,9 +10,10 @@ and the automatic choice skips ``flex`` for that shape from then on; other shape
 
 When the automatic choice takes it (:func:`automatic`): on CPUs whose matrix unit (AMX) the
 compiled kernel uses, where it measured faster than the ``sdpa`` backend, with a torch whose
-CPU lowering is known to compile every call shape (:data:`CPU_TORCH`: torch 2.11's refuses a
-compiled graph where the coarse branch follows the attention, "Unsupported for epilogue_nodes
-in CppFlexAttentionTemplate"), and on XPU when opted in; elsewhere only by name.
+CPU lowering has compiled every shape of the test suite (:data:`CPU_TORCH`; older ones are not
+checked), and on XPU when opted in; elsewhere only by name. The coarse branch is added outside
+the compiled graph: fused into it, it was an epilogue torch 2.13's CPU lowering refused
+("Unsupported for epilogue_nodes in CppFlexAttentionTemplate"), as was reported for 2.11.
 ``SOLATTN_FLEX_CPU=1`` / ``=0`` overrides the CPU rule.
 """
 
@@ -38,7 +39,9 @@ __all__ = ["FlexBackend", "XPU_OPT_IN", "CPU_SWITCH", "amx_usable", "automatic",
 XPU_OPT_IN = "SOLATTN_FLEX_XPU"
 #: environment variable that overrides the CPU rule of the automatic choice: 1 (take flex first), 0 (never)
 CPU_SWITCH = "SOLATTN_FLEX_CPU"
-#: the oldest torch whose CPU flex_attention lowering compiled every shape of the test suite
+#: the oldest torch whose CPU flex_attention lowering is known to compile every shape of the test
+#: suite (the one checked; older torches may too, but have not been run since the coarse branch
+#: left the compiled graph)
 CPU_TORCH = "2.13"
 
 #: shape (device type, dtype, B, T, H, D) -> why its compilation failed (filled by failed calls;
@@ -59,7 +62,7 @@ def _shape(problem: Problem) -> tuple:
 
 
 def cpu_torch_known_good() -> bool:
-    """Whether this torch is at least :data:`CPU_TORCH` (its CPU lowering compiles every shape)."""
+    """Whether this torch is at least :data:`CPU_TORCH` (its CPU lowering is known to compile every shape)."""
     from torch.torch_version import TorchVersion
     return TorchVersion(torch.__version__.split("+")[0]) >= CPU_TORCH
 

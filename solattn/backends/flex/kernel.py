@@ -14,7 +14,10 @@ One compiled function per call shape (:class:`Key`) computes SPEC.md's output fr
   The exact keys are used uncentred: every exact logit of row t is then ``scale q_t . m``
   larger than SPEC.md's centred one, and the tail's logit carries the same shift, so the
   softmax is SPEC.md's. Each query block attends one extra key block (its tail slot's).
-- the coarse branch is added after the cast, inside the same compiled graph.
+- the coarse branch is added after the cast to v's dtype, outside the compiled graph (eagerly,
+  on the compiled call's output): fused into the graph it becomes an epilogue of the attention,
+  which torch's CPU lowering refuses ("Unsupported for epilogue_nodes in
+  CppFlexAttentionTemplate", seen with torch 2.13).
 
 Compiled functions are cached per :class:`Key`, so a call with new tensors of a cached shape runs
 without tracing again. Each holds its own copy of the traced code, but torch.compile (2.11 and
@@ -64,7 +67,6 @@ class Key:
     bias_rows: int          # 0 (no key_bias), 1 or B
     tail: bool
     masked: bool            # some exact block has dead rows, or the tail is on
-    coarse: bool
     scale: float
 
     @property
@@ -87,12 +89,11 @@ def call_key(p: Problem, plan: Plan) -> Key:
     dead = p.block_len is not None or p.T % BLOCK != 0
     return Key(device=str(p.device), dtype=p.dtype, B=p.B, T=p.T, H=p.H, D=p.D,
                bias_rows=0 if p.key_bias is None else p.key_bias.shape[0], tail=tail,
-               masked=tail or dead, coarse=plan.coarse is not None and p.coarse_gate is not None,
-               scale=p.scale)
+               masked=tail or dead, scale=p.scale)
 
 
-def _attend(key: Key, q, k, v, kv_num, kv_idx, full_num, full_idx, bias, live, tlog, gate, coarse):
-    """The traced computation: ``(B, T, H, D)`` output of v's dtype, contiguous. ``q``, ``k``, ``v``
+def _attend(key: Key, q, k, v, kv_num, kv_idx, full_num, full_idx, bias, live, tlog):
+    """The traced computation: the fine branch, ``(B, T, H, D)`` of v's dtype, contiguous. ``q``, ``k``, ``v``
     are ``(B, H, T, D)`` views; with the tail, ``k`` and ``v`` are the extended tensors and ``tlog``
     the tail slot's ``(B, H, T)`` fp32 logit per query row (computed outside: the CPU kernel takes
     only stored tensors into its ``score_mod``)."""
@@ -118,13 +119,8 @@ def _attend(key: Key, q, k, v, kv_num, kv_idx, full_num, full_idx, bias, live, t
                                     seq_lengths=(T, key.key_len), compute_q_blocks=False)
     mod = score_mod if (bias is not None or tlog is not None) else None
     options = dict(CUDA_KERNEL_OPTIONS) if q.device.type == "cuda" else None
-    out = flex_attention(q, k, v, score_mod=mod, block_mask=mask, scale=scale,
-                         kernel_options=options).transpose(1, 2)
-    if key.coarse:
-        blocks = torch.arange(T, device=q.device) // BLOCK
-        add = gate.float() * coarse[:, :, blocks].transpose(1, 2)        # (B, T, H, D) fp32
-        out = out + add.to(out.dtype)
-    return out.contiguous()
+    out = flex_attention(q, k, v, score_mod=mod, block_mask=mask, scale=scale, kernel_options=options)
+    return out.transpose(1, 2).contiguous()
 
 
 _cache: "collections.OrderedDict[Key, Callable]" = collections.OrderedDict()
@@ -255,8 +251,13 @@ def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
         tlog = torch.einsum("bhtd,bhd->bht", q.float(), plan.key_mean[:, :, 0])     # dead rows of q are 0
         tlog = torch.addcmul(plan.tail_lse[:, :, blocks], tlog, torch.tensor(p.scale, device=p.device))
     fn = compiled_for(key)
-    args = (q, k, v, kv_num, kv_idx, full_num, full_idx, bias, live_rows, tlog, p.coarse_gate, plan.coarse)
+    args = (q, k, v, kv_num, kv_idx, full_num, full_idx, bias, live_rows, tlog)
     # forward only: the inputs of a training call's forward may still require grad, which the
     # inference-only lowering refuses
     with _shape_limit():
-        return fn(*(None if a is None else a.detach() for a in args))
+        out = fn(*(None if a is None else a.detach() for a in args))
+    if plan.coarse is not None and p.coarse_gate is not None:     # SPEC.md: cast(fine) + gate * coarse
+        blocks = torch.arange(p.T, device=p.device) // BLOCK
+        add = p.coarse_gate.detach().float() * plan.coarse[:, :, blocks].transpose(1, 2)   # (B, T, H, D) fp32
+        out = out.add_(add.to(out.dtype))
+    return out
