@@ -9,6 +9,7 @@ shape on the CPU, so the tests reuse few shapes.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -46,17 +47,19 @@ def test_more_shapes_than_the_recompile_limit_all_compile(fresh, monkeypatch):
     compiled function enters through torch's one shared wrapper frame here (as torch 2.11 does
     for them), so all shapes count against that frame's limit."""
     from torch._dynamo import config
-    if hasattr(config, "wrap_top_frame"):
-        monkeypatch.setattr(config, "wrap_top_frame", True)
+    # torch's own scoped patch: a monkeypatched config entry is not restored cleanly
+    # (later reads of it fail), which broke the tests that run after this one
+    scope = config.patch(wrap_top_frame=True) if hasattr(config, "wrap_top_frame") else contextlib.nullcontext()
     kernel.clear_cache()
     shapes = config.recompile_limit + 2
-    for i in range(shapes):
-        q, k, v = make_qkv(1, BLOCK + 8 * i, 1, 16, dtype=torch.float32, device="cpu", seed=i)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", "solattn: the flex backend", RuntimeWarning)
-            got = solattn.sol_attn(q, k, v, topk_ratio=0.5, tail=False, backend="flex")
-        want = solattn.sol_attn(q, k, v, topk_ratio=0.5, tail=False, backend="reference")
-        assert rel_l2(got, want) < tolerance(torch.float32)
+    with scope:
+        for i in range(shapes):
+            q, k, v = make_qkv(1, BLOCK + 8 * i, 1, 16, dtype=torch.float32, device="cpu", seed=i)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", "solattn: the flex backend", RuntimeWarning)
+                got = solattn.sol_attn(q, k, v, topk_ratio=0.5, tail=False, backend="flex")
+            want = solattn.sol_attn(q, k, v, topk_ratio=0.5, tail=False, backend="reference")
+            assert rel_l2(got, want) < tolerance(torch.float32)
     assert len(kernel.cached_keys()) >= shapes
 
 
