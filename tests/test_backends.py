@@ -632,10 +632,13 @@ def test_sdpa_memory_model_sizes_chunks_within_the_budget():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sdpa_gathers_whole_blocks_from_layouts_when_they_fit(monkeypatch, dtype):
+@pytest.mark.parametrize("tail", [False, True])
+def test_sdpa_gathers_whole_blocks_from_layouts_when_they_fit(monkeypatch, dtype, tail):
     """Keys and values come from contiguous block layouts whenever one pair's layouts fit in the
-    budget (row gathers straight from the inputs ran ~3x slower on an H200); the row-gather
-    fallback of tiny budgets gives the same output (tail, dead rows, key_bias, ragged T)."""
+    budget (row gathers straight from the inputs ran ~3x slower on an H200), and in inference
+    the queries and the output too (no row gather or row scatter at all); with autograd
+    recording the query rows are gathered from q. The row-gather fallback of tiny budgets gives
+    the same output (tail, dead rows in keys and queries, key_bias, ragged T)."""
     from solattn.backends.sdpa import forward, layout, memory
     names = []
     real = layout.RowTable.gather
@@ -644,18 +647,25 @@ def test_sdpa_gathers_whole_blocks_from_layouts_when_they_fit(monkeypatch, dtype
     T, D = 600, 32
     q, k, v = make_qkv(2, T, 3, D, dtype=dtype, seed=11)
     k[0, 84, 1] = float("nan")                                 # a dead row: never reaches an output
+    q[1, 90, 2] = float("nan")                                 # a dead query row: its output is finite
     bl = torch.full(((T + 63) // 64,), 64, dtype=torch.int32)
     bl[1], bl[-1] = 10, T - 64 * (bl.numel() - 1)
-    p = validate(q, k, v, topk_ratio=0.3, block_len=bl, key_bias=torch.randn(2, T))
+    p = validate(q, k, v, topk_ratio=0.3, block_len=bl, key_bias=torch.randn(2, T), tail=tail)
     plan = build_plan(p)
     blocks = forward.sdpa_forward(p, plan)
-    assert set(names) == {"q"}
-    names.clear()
+    assert names == []
     n, elt = p.n, q.element_size()
     tiny = forward.sdpa_forward(p, plan, nbytes=memory.layout_bytes(1, n, D, elt))
-    assert {"k", "v"} <= set(names)
+    assert {"q", "k", "v"} <= set(names)
+    names.clear()
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    pg = validate(*leaves, topk_ratio=0.3, block_len=bl, key_bias=p.key_bias, tail=tail)
+    recorded = forward.sdpa_forward(pg, build_plan(pg))
+    assert set(names) == {"q"}
     assert torch.isfinite(blocks).all()
-    assert rel_l2(blocks, tiny) < (1e-6 if dtype == torch.float32 else 1e-2)
-    want = solattn.sol_attn(q, k, v, topk_ratio=0.3, block_len=bl, key_bias=p.key_bias,
+    for other in (tiny, recorded.detach()):
+        assert rel_l2(blocks, other) < (1e-6 if dtype == torch.float32 else 1e-2)
+    want = solattn.sol_attn(q, k, v, topk_ratio=0.3, block_len=bl, key_bias=p.key_bias, tail=tail,
                             backend="reference")
-    assert rel_l2(blocks, want) < TOL[dtype]
+    live = torch.cat([torch.arange(64) < int(x) for x in bl])[:T]      # dead rows' outputs: unspecified
+    assert rel_l2(blocks[:, live], want[:, live]) < TOL[dtype]

@@ -15,7 +15,7 @@ from ...routing import Plan, live_token_mask
 from ...validation import BLOCK, Problem
 from . import masks
 from .grouping import Group, group_rows, needs_mask
-from .layout import BlockTable, RowTable, Workspace, zero_dead
+from .layout import BlockOutput, BlockTable, RowTable, Workspace, zero_dead
 from .memory import (TAIL_ROWS, ChunkShape, fixed_bytes, layout_bytes, packs_kv, pairs_per_layout,
                      residual_tokens, rows_per_chunk, slice_bytes_per_row)
 
@@ -47,6 +47,18 @@ class _Call:
     mdt: torch.dtype
     work: Workspace
     tail_mean: Optional[torch.Tensor] = None  # (B H n,) fp32 mean tail residual per query block
+
+
+@dataclass
+class _Layouts:
+    """The block layouts of one run of (batch, head) pairs: keys and values, and in inference the
+    queries and the output too (None with autograd recording, where rows are gathered and
+    scattered straight from q and into the output)."""
+
+    k: BlockTable
+    v: BlockTable
+    q: Optional[BlockTable] = None
+    out: Optional[BlockOutput] = None
 
 
 def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.Tensor:
@@ -85,11 +97,15 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
                         None if masked is None else masked.reshape(-1),
                         None if T % BLOCK == 0 else rows % n == n - 1, row_mask)
     elt, mask_elt = torch.finfo(dt).bits // 8, torch.finfo(call.mdt).bits // 8
-    # Keys and values laid out as contiguous blocks per run of (batch, head) pairs, when one
-    # pair's layouts fit in half the budget (the common case); else rows straight from the inputs.
-    run = pairs_per_layout(chunk_budget, B * H, n, D, elt)
+    # Keys and values (in inference queries and the output too) laid out as contiguous blocks per
+    # run of (batch, head) pairs, when one pair's layouts fit in half the budget (the common
+    # case); else rows straight from the inputs. Whole-block copies replace row gathers and row
+    # scatters, and each chunk issues fewer ops: on a CPU whose cores are shared, every op is a
+    # parallel region that may wait for a descheduled worker.
+    tables = 4 if call.work.enabled else 2
+    run = pairs_per_layout(chunk_budget, B * H, n, D, elt, tables)
     if run:
-        chunk_budget -= layout_bytes(run, n, D, elt)
+        chunk_budget -= layout_bytes(run, n, D, elt, tables)
     edges = list(range(0, B * H, run or B * H)) + [B * H]
     plans = []
     for g in groups:
@@ -106,8 +122,12 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     for e in range(len(edges) - 1):
         kv = None
         if run:
-            kv = (BlockTable(p.k, edges[e], edges[e + 1], call.live, call.work, "kb"),
-                  BlockTable(p.v, edges[e], edges[e + 1], call.live, call.work, "vb"))
+            first, last = edges[e], edges[e + 1]
+            kv = _Layouts(BlockTable(p.k, first, last, call.live, call.work, "kb"),
+                          BlockTable(p.v, first, last, call.live, call.work, "vb"))
+            if tables == 4:    # dead query rows are zeroed in the layout, as k's and v's
+                kv.q = BlockTable(p.q, first, last, call.live, call.work, "qb")
+                kv.out = BlockOutput(flat.view(B, T, H, D), first, last, call.work, "ob")
         for g, shape, cuts in plans:
             step = rows_per_chunk(chunk_budget, shape, dev)
             span = max(step, slice_budget // slice_bytes_per_row(shape) // step * step)
@@ -116,6 +136,8 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
                 for chunk in sl.split(step):
                     _attend_rows(call, g, chunk, shape, flat, kv)
                 del sl
+        if kv is not None and kv.out is not None:
+            kv.out.flush()
         del kv
     out = flat.view(B, T, H, D)
     if plan.coarse is not None and p.coarse_gate is not None:
@@ -133,10 +155,11 @@ class _Slice:
     h: torch.Tensor
     i: torch.Tensor
     blocks: torch.Tensor               # (N, count) exact key blocks
-    q_rows: torch.Tensor               # (N, Lq) row numbers of the query rows in q
-    out_rows: torch.Tensor             # (N, Lq) the same in the output
+    q_rows: Optional[torch.Tensor]     # (N, Lq) row numbers of the query rows in q (None: layouts)
+    out_rows: Optional[torch.Tensor]   # (N, Lq) the same in the output
     q_dead: Optional[torch.Tensor]     # (N, Lq) bool dead query rows (block_len), or None
     kv_idx: Optional[torch.Tensor]     # (N, count [+ 1]) block numbers in the run's BlockTables
+    q_idx: Optional[torch.Tensor]      # (N,) block numbers of the query blocks in the run's layouts
     tail: Optional["_TailRows"] = None
 
     def split(self, step: int) -> List["_Slice"]:
@@ -146,7 +169,7 @@ class _Slice:
         if self.N <= step:
             return [self]
         chunks = _split_rows((self.rows, self.b, self.h, self.i, self.blocks, self.q_rows, self.out_rows,
-                              self.q_dead, self.kv_idx), step)
+                              self.q_dead, self.kv_idx, self.q_idx), step)
         tails = self.tail.split(step) if self.tail is not None else [None] * len(chunks)
         return [_Slice(tables[0].shape[0], *tables, tail=tail) for tables, tail in zip(chunks, tails)]
 
@@ -159,26 +182,31 @@ def _split_rows(tables, step: int) -> List[tuple]:
     return [tuple(None if p is None else p[c] for p in parts) for c in range(count)]
 
 
-def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv) -> _Slice:
+def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv: Optional[_Layouts]) -> _Slice:
     H, n = call.p.H, call.p.n
     Lq = s.q_rows
     b, h, i = rows // (H * n), (rows // n) % H, rows % n
     blocks = call.indices[rows, :g.count]
-    q_rows = call.q.block_rows(b, h, i[:, None], Lq)
-    out_rows = q_rows if call.out.row_strides == call.q.row_strides else call.out.block_rows(b, h, i[:, None], Lq)
-    q_dead = ~call.live[i, :Lq] if call.live is not None else None
-    kv_idx = kv[0].block_index(rows // n, blocks, TAIL_ROWS if s.tail else 0) if kv is not None else None
+    q_rows = out_rows = q_dead = q_idx = None
+    if kv is not None and kv.q is not None:      # query block (P, i) is block (P - first) n + i
+        q_idx = rows - kv.q.first * n
+    else:
+        q_rows = call.q.block_rows(b, h, i[:, None], Lq)
+        out_rows = (q_rows if call.out.row_strides == call.q.row_strides
+                    else call.out.block_rows(b, h, i[:, None], Lq))
+        q_dead = ~call.live[i, :Lq] if call.live is not None else None
+    kv_idx = kv.k.block_index(rows // n, blocks, TAIL_ROWS if s.tail else 0) if kv is not None else None
     tail = None
     if s.tail and g.masked:
         tail = _tail_rows(call, b, h, i, None if g.row_mask else call.tail_mean[rows])
     return _Slice(N=rows.shape[0], rows=rows, b=b, h=h, i=i, blocks=blocks, q_rows=q_rows,
-                  out_rows=out_rows, q_dead=q_dead, kv_idx=kv_idx, tail=tail)
+                  out_rows=out_rows, q_dead=q_dead, kv_idx=kv_idx, q_idx=q_idx, tail=tail)
 
 
 def _attend_rows(call: _Call, g: Group, sl: _Slice, s: ChunkShape, flat: torch.Tensor, kv=None):
     """One SDPA call for the rows of chunk ``sl`` (see :meth:`_Slice.split`) of group ``g``; writes
     their output rows into ``flat``, the output as ``(B T H, D)`` rows.
-    ``kv``: the key and value :class:`BlockTable` holding these rows' pairs, or None (gather rows).
+    ``kv``: the :class:`_Layouts` holding these rows' pairs, or None (gather rows).
 
     With autograd recording, the chunk is a checkpoint: autograd keeps none of its gathered keys
     and values (which, over every chunk, would be the kept fraction of a T x T x D tensor: tens of
@@ -188,7 +216,10 @@ def _attend_rows(call: _Call, g: Group, sl: _Slice, s: ChunkShape, flat: torch.T
     else:
         o = checkpoint(_chunk_output, call, g, sl, s, kv, use_reentrant=False,
                        preserve_rng_state=False)                # nothing random inside
-    flat.index_copy_(0, sl.out_rows.reshape(-1), o.reshape(-1, call.p.D))
+    if sl.q_idx is not None:
+        kv.out.put(sl.q_idx, o)
+    else:
+        flat.index_copy_(0, sl.out_rows.reshape(-1), o.reshape(-1, call.p.D))
 
 
 def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch.Tensor:
@@ -197,13 +228,16 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
     count = g.count
     b, h, blocks = sl.b, sl.h, sl.blocks
 
-    q = call.q.gather(sl.q_rows, work, "q")                          # (nr, Lq, D)
+    if sl.q_idx is not None:                     # whole blocks; dead rows already zero
+        q = kv.q.take(sl.q_idx[:, None], 1, 0, work, "q")[:, :s.q_rows]   # (nr, Lq, D)
+    else:
+        q = call.q.gather(sl.q_rows, work, "q")                          # (nr, Lq, D)
     if sl.q_dead is not None:                    # dead rows enter nothing, even holding NaN
         q = zero_dead(q, sl.q_dead)
     if kv is not None:                           # whole blocks; dead rows already zero
         extra = TAIL_ROWS if s.tail else 0
-        k = kv[0].take(sl.kv_idx, count, extra, work, "gk")           # (nr, L, D)
-        v = kv[1].take(sl.kv_idx, count, extra, work, "gv")
+        k = kv.k.take(sl.kv_idx, count, extra, work, "gk")            # (nr, L, D)
+        v = kv.v.take(sl.kv_idx, count, extra, work, "gv")
     else:
         k_rows = call.k.block_rows(b, h, blocks)                             # (nr, count * 64)
         v_rows = (call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides

@@ -2,8 +2,8 @@
 many query blocks fit in a budget.
 
 Everything the backend allocates beyond inputs, output and the routing plan is a per-call table
-of O(T) (:func:`fixed_bytes`), the contiguous key and value block layouts of a run of (batch,
-head) pairs (:func:`layout_bytes`, sized by :func:`pairs_per_layout`) or part of a chunk
+of O(T) (:func:`fixed_bytes`), the contiguous key and value (in inference also query and
+output) block layouts of a run of (batch, head) pairs (:func:`layout_bytes`, sized by :func:`pairs_per_layout`) or part of a chunk
 (:func:`chunk_bytes`); the forward sizes every chunk with :func:`rows_per_chunk`, so nothing
 else needs a model.
 """
@@ -112,19 +112,20 @@ def residual_tokens(budget: int, B: int, H: int, D: int, device: torch.device) -
     return max(1, budget // residual_token_bytes(B, H, D) // BLOCK) * BLOCK
 
 
-def layout_bytes(pairs: int, n: int, D: int, elt: int) -> int:
-    """The key and value block layouts of ``pairs`` (batch, head) pairs, plus their zero blocks."""
-    return 2 * (pairs * n + 1) * BLOCK * D * elt
+def layout_bytes(pairs: int, n: int, D: int, elt: int, tables: int = 2) -> int:
+    """The block layouts of ``pairs`` (batch, head) pairs, plus their zero blocks: ``tables`` of
+    them (2: keys and values; 4 in inference, where queries and the output are laid out too)."""
+    return tables * (pairs * n + 1) * BLOCK * D * elt
 
 
-def pairs_per_layout(budget: int, pairs: int, n: int, D: int, elt: int) -> int:
-    """(batch, head) pairs whose layouts take at most half of ``budget`` (the other half is for
-    the chunks' gathers); 0 when not even one pair fits, and the backend then gathers rows
-    straight from the inputs."""
+def pairs_per_layout(budget: int, pairs: int, n: int, D: int, elt: int, tables: int = 2) -> int:
+    """(batch, head) pairs whose ``tables`` layouts (see :func:`layout_bytes`) take at most half
+    of ``budget`` (the other half is for the chunks' gathers); 0 when not even one pair fits,
+    and the backend then gathers rows straight from the inputs."""
     half = budget // 2
-    if layout_bytes(1, n, D, elt) > half:
+    if layout_bytes(1, n, D, elt, tables) > half:
         return 0
-    return min(pairs, max(1, (half - 2 * BLOCK * D * elt) // (2 * n * BLOCK * D * elt)))
+    return min(pairs, max(1, (half - tables * BLOCK * D * elt) // (tables * n * BLOCK * D * elt)))
 
 
 def packs_kv(device: torch.device, dtype: torch.dtype) -> bool:
