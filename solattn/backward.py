@@ -2,7 +2,8 @@
 
 The forward's extra outputs (:func:`backward_buffers`, a :data:`PLANS` token and which backend's
 backward applies, :func:`run_for_backward`); a backend's own backward (:func:`fused_grads`,
-with the plan's differentiable block terms carried through autograd, :func:`grads_through_plan`);
+with the plan's tail terms carried through autograd, :func:`grads_through_plan`, and its coarse
+term's gradient computed directly, :func:`coarse_token_grads`);
 and recomputation through a differentiable backend (:func:`recompute_grads`). The selection is
 treated as constant either way.
 """
@@ -17,6 +18,8 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend, BackwardBuffers, Gradients
+from .routing.coarse_grad import coarse_block_grads, spread_rows
+from .routing.stats import block_stats
 from .validation import BLOCK, Problem
 
 Tensor = torch.Tensor
@@ -70,19 +73,22 @@ class _PlanHandoff:
 PLANS = _PlanHandoff()
 
 
-def has_block_terms(problem: Problem) -> bool:
-    """Whether the plan of ``problem`` has terms that carry gradients (the tail, the coarse branch):
-    the fused backward then rebuilds the plan with autograd instead of reusing the forward's."""
-    return problem.tail or problem.coarse_gate is not None
+def rebuilds_plan(problem: Problem) -> bool:
+    """Whether the own backward of ``problem`` rebuilds its plan with autograd: it has tail terms,
+    whose gradients reach q, k, v through the selection mask and the centred means, so they are
+    carried by autograd through a rebuilt plan. The coarse branch needs no rebuild: its gradient
+    is computed directly from the kept plan (:mod:`solattn.routing.coarse_grad`)."""
+    return problem.tail
 
 
 def fused_plan_allowed(chosen, problem: Problem, want_lse: bool) -> bool:
     """Whether ``chosen`` runs ``problem`` from the fused (GPU) routing plan: it takes one, unless
-    a backward may follow (``want_lse``) that rebuilds the plan's tail or coarse terms through the
-    torch path (they carry gradients there). The forward then builds its plan the same way, so
-    that both passes select the same blocks (the fused plan's products round differently:
-    near-ties can flip). ``sol_attn`` and ``video_sparse_attn`` both ask here."""
-    return bool(getattr(chosen, "fused_plan", False)) and not (want_lse and has_block_terms(problem))
+    a backward may follow (``want_lse``) that rebuilds the plan's tail terms through the torch
+    path (they carry gradients there). The forward then builds its plan the same way, so that
+    both passes select the same blocks (the fused plan's products round differently: near-ties
+    can flip). ``sol_attn`` and ``video_sparse_attn`` both ask here, and so does a backward that
+    rebuilds a plan without autograd (the forward's was not kept)."""
+    return bool(getattr(chosen, "fused_plan", False)) and not (want_lse and rebuilds_plan(problem))
 
 
 #: names of the backends with their own backward that ran a forward of this process, so that
@@ -99,7 +105,7 @@ def run_for_backward(chosen: Backend, problem: Problem, plan, lse: Tensor, resid
         out = chosen.forward_for_backward(problem, plan, BackwardBuffers(lse, resid))
         if chosen.name not in _OWN_BACKWARD:
             _OWN_BACKWARD.append(chosen.name)
-        token = PLANS.put(None if has_block_terms(problem) else plan)
+        token = PLANS.put(None if rebuilds_plan(problem) else plan)
         return out, torch.tensor([token, _OWN_BACKWARD.index(chosen.name) + 1], dtype=torch.int64)
     return chosen.forward(problem, plan), torch.zeros((2,), dtype=torch.int64)
 
@@ -124,13 +130,14 @@ def fused_grads(backend: Backend, problem_of: Callable, make_plan: Callable, inp
     Returns ``(dq, dk, dv, dgate, dbias)`` in the problem's layout (``dbias`` ``(B, T)`` fp32 summed
     over heads, or None). ``settings``: the forward's context (memory budget, backend choice);
     ``saved``: the forward's plan when it was kept (:data:`PLANS`), used instead of a rebuild when
-    the plan has no differentiable block terms."""
+    the plan has no tail terms (:func:`rebuilds_plan`). A coarse term's gradient that the backend
+    hands back (``Gradients.plan["coarse"]``) is carried to q, k, v here."""
     if settings is not None:
         return settings.copy().run(fused_grads, backend, problem_of, make_plan, inputs, out, lse, resid,
                                    grad_out, bias_grad, None, saved)
     probe = problem_of(*inputs)
-    block_terms = has_block_terms(probe)
-    if block_terms:
+    tail = rebuilds_plan(probe)
+    if tail:
         leaves = [t.detach().requires_grad_(True) for t in inputs]
         with torch.enable_grad():
             problem = problem_of(*leaves)
@@ -141,13 +148,27 @@ def fused_grads(backend: Backend, problem_of: Callable, make_plan: Callable, inp
             plan = saved
         else:
             with torch.no_grad():
-                plan = make_plan(problem)
+                plan = make_plan(problem, fused_plan_allowed(backend, problem, True))
     grads = backend.backward(problem, plan, out, BackwardBuffers(lse, resid), grad_out, bias_grad)
     dq, dk, dv = grads.dq, grads.dk, grads.dv
-    if block_terms:
+    if tail:
         extra = grads_through_plan(plan, grads, leaves)
-        dq, dk, dv = (d if e is None else d + e.to(d.dtype) for d, e in zip((dq, dk, dv), extra))
+    elif "coarse" in grads.plan:
+        extra = coarse_token_grads(problem, plan, grads.plan["coarse"])
+    else:
+        extra = (None, None, None)
+    dq, dk, dv = (d if e is None else d + e.to(d.dtype) for d, e in zip((dq, dk, dv), extra))
     return dq, dk, dv, grads.dgate, grads.dbias
+
+
+def coarse_token_grads(problem: Problem, plan, dcoarse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """The coarse branch's share of ``(dq, dk, dv)`` ``(B, T, H, D)`` fp32, from the gradient of the
+    plan's coarse term ``dcoarse`` ``(B, H, n, D)``, for a backend whose backward hands it back
+    instead of applying it (a fused backend applies it in its kernels)."""
+    with torch.no_grad():
+        stats = block_stats(problem)
+        grads = coarse_block_grads(stats.qm, stats.km, stats.vm, dcoarse, problem.scale)
+        return tuple(spread_rows(g, plan.block_len, problem.T) for g in grads)
 
 
 def grads_through_plan(plan, grads: Gradients, leaves) -> Tuple[Optional[Tensor], ...]:

@@ -253,6 +253,7 @@ def _setup_context(ctx, inputs, output):
         token_aug, backend, want_lse, grid, k_vid, segments, prefix_mode, *given = inputs
     out, lse, resid, fused = output
     ctx.mark_non_differentiable(lse, resid, fused)
+    ctx.set_materialize_grads(False)     # no zero gradients for them: resid is as large as q
     ctx.save_for_backward(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, *given)
     ctx.args = (tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode,
                 backend)

@@ -235,11 +235,11 @@ class TritonBackend(Backend):
     def backward(self, problem: Problem, plan, out: torch.Tensor, buffers: BackwardBuffers,
                  grad_out: torch.Tensor, bias_grad: bool) -> Gradients:
         """The fused backward (:mod:`solattn.backends.triton.backward`): two kernels give the
-        token-level gradients and the block-level sums of the plan's terms."""
+        token-level gradients (the coarse branch's included) and the block-level sums of the tail's terms."""
         from . import backward  # imports triton
         with _on_device(problem):
             g = backward.fused_backward(problem, plan, out, buffers.lse, buffers.resid, grad_out, bias_grad=bias_grad)
-        terms = {"tail_lse": g.dtail_lse, "tail_value": g.dtail_value, "coarse": g.dcoarse, "key_mean": g.dkey_mean}
+        terms = {"tail_lse": g.dtail_lse, "tail_value": g.dtail_value, "key_mean": g.dkey_mean}
         return Gradients(dq=g.dq, dk=g.dk, dv=g.dv, dgate=g.dgate, dbias=g.dbias,
                          plan={name: t for name, t in terms.items() if t is not None})
 

@@ -20,12 +20,17 @@ gradient and ``delta_t = dO_t . O_t``, a logit's natural-log gradient is ``p (dO
   ``dcoarse_i = sum_t gate_t dO_t``).
 - :func:`sol_attn_bwd_dkdv`, one program per (64-key block, b*H + h), walks the transposed
   lists (the query blocks whose list holds this key block, :meth:`solattn.routing.Plan.query_lists`)
-  and accumulates ``dk``, ``dv`` and, for a float key bias, ``dbias``; no atomics.
+  and accumulates ``dk``, ``dv`` and, for a float key bias, ``dbias``; no atomics. With a
+  coarse term it also adds the block means' gradients to the block's live rows of ``dk``,
+  ``dv`` and ``dq`` (``POOLED``).
 
-The block-level sums are ``(B, H, n, ...)`` tensors: :func:`fused_backward` hands them to the
-caller (the op layer), which back-propagates them through the plan's differentiable block means,
-tail and coarse terms with torch autograd. Dead query rows (``block_len``) get
-zero gradients and send none to keys; dead keys get zero gradients.
+Between the two, :func:`coarse_row_grads` carries ``dcoarse`` through the coarse term's softmax
+over the block means (:mod:`solattn.routing.coarse_grad`: a few ``(n, n)`` products per head),
+so the coarse branch needs neither a rebuilt plan nor an autograd graph. The tail's block-level
+sums are ``(B, H, n, ...)`` tensors: :func:`fused_backward` hands them to the caller (the op
+layer), which back-propagates them through the plan's differentiable block means and tail terms
+with torch autograd. Dead query rows (``block_len``) get zero gradients and send none to keys;
+dead keys get zero gradients.
 """
 
 from __future__ import annotations
@@ -138,8 +143,8 @@ def sol_attn_bwd_dq(
 
 @gpu_jit
 def sol_attn_bwd_dkdv(
-    Q, K, V, DO, DK, DV, DBias, Lse, Delta,
-    QNum, QIdx, BlockLen, KeyBias,
+    Q, K, V, DO, DQ, DK, DV, DBias, Lse, Delta,
+    QNum, QIdx, BlockLen, KeyBias, DQMean, DKMean, DVMean,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
@@ -148,7 +153,7 @@ def sol_attn_bwd_dkdv(
     T, H, n_blocks, max_q_blocks,
     qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, POOLED: tl.constexpr,
 ):
     kv_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -196,18 +201,40 @@ def sol_attn_bwd_dkdv(
     dk = dk * scale
     out_off = ((b * T + tok_k) * H + h) * HEAD_DIM
     in_t = tok_k < T
+    if POOLED:
+        # the block means' gradients (coarse branch), one share per live row; the rows of this
+        # block are also those of query block kv_block, whose dq the other kernel has written
+        pooled = plan_row * HEAD_DIM + dims
+        dk += tl.where(live[:, None], tl.load(DKMean + pooled)[None, :], 0.0)
+        dv += tl.where(live[:, None], tl.load(DVMean + pooled)[None, :], 0.0)
+        dq_ptrs = DQ + out_off[:, None] + dims[None, :]
+        dq = tl.load(dq_ptrs, mask=live[:, None], other=0.0).to(tl.float32)
+        dq += tl.load(DQMean + pooled)[None, :]
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=live[:, None])
     tl.store(DK + out_off[:, None] + dims[None, :], dk.to(DK.dtype.element_ty), mask=in_t[:, None])
     tl.store(DV + out_off[:, None] + dims[None, :], dv.to(DV.dtype.element_ty), mask=in_t[:, None])
     if BIAS_GRAD:
         tl.store(DBias + plan_row * BLOCK + rows, dbias)
 
 
+def coarse_row_grads(problem: Problem, plan, dcoarse: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """The coarse branch's share of a live row's ``(dq, dk, dv)`` in each block, fp32 contiguous
+    ``(B, H, n, D)``: its gradient ``dcoarse`` (:func:`sol_attn_bwd_dq`'s block sums) carried
+    through the softmax over the block means (:func:`solattn.routing.coarse_grad.coarse_block_grads`,
+    with the means of ``problem``'s q, k, v as the forward pooled them)."""
+    from ...routing.coarse_grad import coarse_block_grads, per_row
+    from ...routing.stats import block_stats
+    stats = block_stats(problem)
+    grads = coarse_block_grads(stats.qm, stats.km, stats.vm, dcoarse, problem.scale)
+    return tuple(per_row(g, plan.block_len) for g in grads)
+
+
 @dataclass
 class FusedGrads:
-    """What :func:`fused_backward` returns. Token-level gradients in the inputs' dtypes (``dgate``
-    and ``dbias`` only when asked for: ``dbias`` fp32 ``(B, T)`` summed over heads); block-level
-    sums fp32 ``(B, H, n)`` / ``(B, H, n, D)`` / ``(B, H, 1, D)``, ``None`` where the plan has no
-    such term."""
+    """What :func:`fused_backward` returns. Token-level gradients in the inputs' dtypes, the
+    coarse branch's included (``dgate`` and ``dbias`` only when asked for: ``dbias`` fp32 ``(B, T)``
+    summed over heads); the tail's block-level sums fp32 ``(B, H, n)`` / ``(B, H, n, D)`` /
+    ``(B, H, 1, D)``, ``None`` without a tail."""
 
     dq: torch.Tensor
     dk: torch.Tensor
@@ -216,7 +243,6 @@ class FusedGrads:
     dbias: Optional[torch.Tensor]
     dtail_lse: Optional[torch.Tensor]
     dtail_value: Optional[torch.Tensor]
-    dcoarse: Optional[torch.Tensor]
     dkey_mean: Optional[torch.Tensor]
 
 
@@ -267,12 +293,13 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )
+        pooled = coarse_row_grads(problem, plan, dco) if ops.has_coarse else (dummy,) * 3
         kernel_dkdv[grid](
-            q, k, v, dout, dk, dv, dbias, lse, delta,
-            q_num, q_idx, ops.block_len, ops.key_bias,
+            q, k, v, dout, dq, dk, dv, dbias, lse, delta,
+            q_num, q_idx, ops.block_len, ops.key_bias, *pooled,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
             ops.bias_stride_b, T, H, n, q_idx.shape[-1], qk_scale, problem.scale,
-            HEAD_DIM=D, BLOCK=BLOCK, HAS_BIAS=ops.has_bias, BIAS_GRAD=bias_grad,
+            HEAD_DIM=D, BLOCK=BLOCK, HAS_BIAS=ops.has_bias, BIAS_GRAD=bias_grad, POOLED=ops.has_coarse,
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         )
         dt = problem.q.dtype
@@ -281,5 +308,4 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
             dgate=dgate.to(problem.coarse_gate.dtype) if ops.has_coarse else None,
             dbias=dbias[..., :T].sum(dim=1) if bias_grad else None,
             dtail_lse=dtl if ops.has_tail else None, dtail_value=dtv if ops.has_tail else None,
-            dcoarse=dco if ops.has_coarse else None,
             dkey_mean=dkm.sum(dim=2, keepdim=True) if ops.has_tail else None)

@@ -1,0 +1,69 @@
+"""The coarse branch's gradient at block granularity, from the forward's pooled terms.
+
+The coarse term of query block i is ``coarse_i = sum_j a_ij vm_j`` with
+``a_i = softmax_j(scale qm_i . km_j)`` (:func:`.plan.coarse_rows`). Given its gradient
+``dcoarse_i`` (``sum_t gate_t dO_t`` over the block's live rows), the block means get
+
+    dvm_j = sum_i a_ij dcoarse_i
+    ds_ij = a_ij (dcoarse_i . vm_j - dcoarse_i . coarse_i)      (softmax backward)
+    dqm_i = scale sum_j ds_ij km_j,     dkm_j = scale sum_i ds_ij qm_i
+
+and a live row t of block i gets ``dqm_i / L_i`` (as its key and value rows get ``dkm_j / L_j``,
+``dvm_j / L_j``): a mean spreads its gradient evenly. A few batched matrix products per chunk
+of query-block rows, chunked as the plan is (:func:`.plan.plan_chunks`), so that the ``(rows,
+n)`` temporaries stay within the ``sdpa`` memory budget; no autograd graph, no selection.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..budget import current_budget
+from ..validation import BLOCK
+from .plan import plan_chunks
+from .stats import live_token_mask
+
+Tensor = torch.Tensor
+
+
+@torch.no_grad()
+def coarse_block_grads(qm: Tensor, km: Tensor, vm: Tensor, dcoarse: Tensor, scale: float,
+                       nbytes: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(dqm, dkm, dvm)``, fp32 ``(B, H, n, D)``: the gradients of the block means ``qm``, ``km``,
+    ``vm`` (fp32 ``(B, H, n, D)``) through the coarse term, given its gradient ``dcoarse``
+    (``(B, H, n, D)``). ``nbytes`` bounds one chunk's temporaries (default: the ``sdpa`` memory
+    budget in force)."""
+    B, H, n, D = qm.shape
+    G = B * H
+    qm, km, vm, dco = (x.reshape(G, n, D).to(torch.float32) for x in (qm, km, vm, dcoarse))
+    dqm = torch.empty_like(qm)
+    dkm = torch.zeros_like(km)
+    dvm = torch.zeros_like(vm)
+    nbytes = current_budget("sdpa") if nbytes is None else nbytes
+    for g0, g1, i0, i1 in plan_chunks(G, n, nbytes):
+        rows = dco[g0:g1, i0:i1]
+        a = torch.softmax(scale * (qm[g0:g1, i0:i1] @ km[g0:g1].transpose(-1, -2)), dim=-1)
+        ds = rows @ vm[g0:g1].transpose(-1, -2)                   # d a_ij = dcoarse_i . vm_j
+        ds.sub_((a * ds).sum(dim=-1, keepdim=True)).mul_(a)      # softmax backward
+        dqm[g0:g1, i0:i1] = (ds @ km[g0:g1]).mul_(scale)
+        dkm[g0:g1].add_(ds.transpose(-1, -2) @ qm[g0:g1, i0:i1], alpha=scale)
+        dvm[g0:g1].add_(a.transpose(-1, -2) @ rows)
+    return tuple(x.view(B, H, n, D) for x in (dqm, dkm, dvm))
+
+
+def per_row(block_grad: Tensor, L: Tensor) -> Tensor:
+    """A block mean's gradient ``(B, H, n, D)`` as the gradient of each of its live rows:
+    divided by the live length ``L`` ``(n,)``, fp32 contiguous."""
+    return (block_grad / L.to(torch.float32)[:, None]).contiguous()
+
+
+def spread_rows(block_grad: Tensor, L: Tensor, T: int) -> Tensor:
+    """A block mean's gradient ``(B, H, n, D)`` as token gradients ``(B, T, H, D)`` fp32: each live
+    row of block j gets :func:`per_row`'s share, dead rows 0 (for a backward that adds it with
+    torch ops; a fused kernel adds :func:`per_row` in its own loop)."""
+    B, H, n, D = block_grad.shape
+    rows = per_row(block_grad, L).permute(0, 2, 1, 3)[:, :, None]            # (B, n, 1, H, D)
+    live = live_token_mask(L).to(torch.float32)[None, :, :, None, None]      # (1, n, 64, 1, 1)
+    return (rows * live).reshape(B, n * BLOCK, H, D)[:, :T]
