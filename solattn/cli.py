@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import platform
@@ -88,7 +89,8 @@ def check(args) -> int:
     from .testing import tolerance
     device = args.device if args.device is not None else dispatch.best_device()
     rows, failed = [], False
-    infos = [b for b in dispatch.list_backends(device) if b["name"] != "reference"]
+    infos = [b for b in dispatch.list_backends(device)
+             if b["name"] != "reference" and (not args.backends or b["name"] in args.backends)]
     runnable = [b["name"] for b in infos if b["available"]]
     for name, (q, k, v), kw in _check_problems(device):
         p = validate(q, k, v, **kw)
@@ -116,7 +118,8 @@ def check(args) -> int:
         if not b["available"]:
             print(f"  {b['name']:<10} " + _wrapped(f"not run here: {'; '.join(b['reasons'])}", 13))
     if not rows:
-        print("no backend other than the reference can run here")
+        print(f"none of {', '.join(args.backends)} can run here" if args.backends else
+              "no backend other than the reference can run here")
         return 1
     w = max(len(r[1]) for r in rows)
     for backend, name, status, detail in rows:
@@ -125,12 +128,23 @@ def check(args) -> int:
     return 1 if failed else 0
 
 
+def _backend_arg(text: str) -> str:
+    """``type=`` for ``check --backends``: a registered backend other than the reference."""
+    names = [n for n in dispatch.registered() if n != "reference"]
+    if text.lower() not in names:
+        raise argparse.ArgumentTypeError(f"received {text!r}; allowed: {', '.join(names)} "
+                                         "(the reference is what the others are checked against)")
+    return text.lower()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = ArgParser(prog="python -m solattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="torch version, devices, backends and why each can or cannot run")
     pc = sub.add_parser("check", help="every backend that can run here against the reference")
     pc.add_argument("--device", type=device_arg, default=None, help="device to check (default: best present)")
+    pc.add_argument("--backends", nargs="+", metavar="NAME", type=_backend_arg,
+                    help="check only these backends (default: every one that can run here)")
     sub.add_parser("bench", help="timings, memory, error and plots (see `bench --help`)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":

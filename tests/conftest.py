@@ -4,10 +4,10 @@ Markers (declared in pyproject.toml): ``slow`` tests are left out of the default
 (``python -m pytest -q -m slow`` runs them, ``-m ""`` runs everything). A test is slow when
 its module marks it so, when its id is listed in ``slow_tests.txt`` (the cases that took a
 second of CPU time or more, measured on a 2-core CPU), or when it matches :data:`SLOW` (the
-Triton kernel in the CPU interpreter); :data:`_KEEP` keeps one representative of each family in
-the default run, so every path is still exercised there. ``gpu`` is given here
-to every test that runs on a GPU (a ``cuda``/``xpu``/``mps`` device parameter, or a skip
-condition that asks for one), so ``-m gpu`` runs a GPU machine's own cases.
+Triton kernel in the CPU interpreter, the flex backend's compiles); :data:`_KEEP` keeps one
+representative of each family in the default run, so every path is still exercised there.
+``gpu`` is given here to every test that runs on a GPU (a ``cuda``/``xpu``/``mps`` device
+parameter, or a skip condition that asks for one), so ``-m gpu`` runs a GPU machine's own cases.
 
 The automatic CPU choice depends on the machine (the ``flex`` backend comes first on CPUs with
 AMX): every test runs with ``SOLATTN_FLEX_CPU=0`` (:func:`cpu_priority_without_flex`), so the
@@ -62,7 +62,8 @@ def _compiles_flex(item) -> bool:
 
 #: test ids left out of the default run: those listed in slow_tests.txt (measured), and the
 #: patterns below for the families measured as a whole (the Triton kernel in the CPU
-#: interpreter); _KEEP names the representative each family keeps in the default run
+#: interpreter, the flex backend's compiles); _KEEP names the representative each family keeps
+#: in the default run
 _LISTED = frozenset(line.split("#")[0].strip() for line in
                     open(os.path.join(os.path.dirname(__file__), "slow_tests.txt"), encoding="utf-8")
                     if line.split("#")[0].strip())
@@ -73,11 +74,14 @@ SLOW = (
     "tests/test_backends.py::*triton-cpu-interpreted*",
     "tests/test_video.py::*-triton*",
     "tests/test_video.py::*[[]triton]",
+    "tests/test_video.py::*-flex*",
+    "tests/test_video.py::*[[]flex]",
     "tests/test_finetune_example.py::*",
 )
 _KEEP = frozenset({
     "tests/test_backends.py::test_backend_matches_reference[triton-cpu-interpreted-bfloat16-everything]",
     "tests/test_video.py::test_matches_oracle[(4, 8, 8)-B1-P(70, 5, 64)-exempt-tensor-triton-bfloat16]",
+    "tests/test_video.py::test_matches_oracle[(4, 8, 8)-B1-P(70, 5, 64)-exempt-tensor-flex-bfloat16]",
     "tests/test_triton_backward.py::test_sol_attn_fused_gradients_match_reference[topk-notail-gate-bias-bf16-cpu]",
     "tests/test_triton_backend.py::test_modes_and_tail[False-topk]",
     "tests/test_triton_backend.py::test_kernel_config_accepts_what_ships",

@@ -19,6 +19,11 @@ def _csv_rows(path):
         return list(csv.DictReader(f))
 
 
+#: the contenders of the runs below that test the command, not the backends: the flex backend
+#: would compile each shape first (tens of seconds on a small CPU); the quick run times them all
+NO_COMPILE = ("--backends", "dense", "sdpa")
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
@@ -255,7 +260,7 @@ def test_runner_keeps_the_latest_result_with_commit_and_command(tmp_path, monkey
     run = _runner()
     monkeypatch.setenv("SOLATTN_REVISION", "abc1234")
     argv = ["forward", "--results", str(tmp_path), "--", "--device", "cpu", "--shapes", "1,128,1,32",
-            "--ratios", "0.5", "--repeats", "1", "--no-plot"]
+            "--ratios", "0.5", "--repeats", "1", "--no-plot", *NO_COMPILE]
     assert run.main(argv) == 0
     folder = run.device_folder()        # this machine's folder name: cpu, or its GPU's model
     path = tmp_path / folder / "forward.md"
@@ -296,7 +301,7 @@ def test_paired_rounds_time_every_contender_in_rotating_order():
 
 def test_terminal_table_explains_its_columns(tmp_path, capsys):
     rc = bench.main(["--device", "cpu", "--shapes", "1,128,1,32", "--ratios", "0.5", "--repeats", "1",
-                     "--no-plot", "--out", str(tmp_path)])
+                     "--no-plot", "--out", str(tmp_path), *NO_COMPILE])
     assert rc == 0
     out = capsys.readouterr().out
     table, legend = out.split("Columns:", 1)
@@ -361,7 +366,7 @@ def test_default_out_is_per_user_never_the_working_directory(monkeypatch, tmp_pa
 def test_run_prints_where_results_went(tmp_path, capsys):
     out = tmp_path / "where"
     assert bench.main(["--quick", "--device", "cpu", "--no-plot", "--shapes", "1,128,1,16", "--ratios", "0.5",
-                       "--out", str(out)]) == 0
+                       "--out", str(out), *NO_COMPILE]) == 0
     captured = capsys.readouterr()
     assert f"results go to {out.resolve()}" in captured.err
     assert str((out / "bench.md").resolve()) in captured.out and (out / "bench.md").stat().st_size > 0

@@ -21,42 +21,75 @@ def test_info_lists_torch_devices_and_backends():
     assert "priority: sdpa" in res.stdout
 
 
-def test_check_passes_here(capsys):
-    assert cli.main(["check", "--device", "cpu"]) == 0
+# the flex backend compiles each problem on its first call (about a minute for all of them on a
+# 2-core CPU): the default run checks sdpa, the slow run every backend that can run here
+@pytest.mark.parametrize("backends", [["--backends", "sdpa"], pytest.param([], marks=pytest.mark.slow)],
+                         ids=["sdpa", "every-backend"])
+def test_check_passes_here(capsys, backends):
+    assert cli.main(["check", "--device", "cpu", *backends]) == 0
     out = capsys.readouterr().out
     assert "sdpa" in out and "pass" in out and "FAIL" not in out
+    if backends:
+        assert {line.split()[0] for line in out.splitlines()[1:-1]} == {"sdpa"}
 
 
 def test_check_fails_with_exit_code_1_when_a_backend_is_wrong(monkeypatch, capsys):
     from solattn.backends import sdpa as sdpamod
     real = sdpamod.sdpa_forward
     monkeypatch.setattr(sdpamod, "sdpa_forward", lambda p, plan, nbytes=None: real(p, plan) * 1.1)
-    assert cli.main(["check", "--device", "cpu"]) == 1
+    assert cli.main(["check", "--device", "cpu", "--backends", "sdpa"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "FAILED" in out
+
+
+def test_check_of_a_backend_that_cannot_run_here_says_why_and_fails(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main(["check", "--device", "cpu", "--backends", "triton"]) == 1
+    out = capsys.readouterr().out
+    assert "triton     not run here: " in out and "none of triton can run here" in out
 
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "solattn", *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("args,option,value", [
+MISTAKES = [
+    (("check", "--device", "foo"), "--device", "'foo'"),
     (("bench", "--shapes", "1,100,2"), "--shapes", "'1,100,2'"),
     (("bench", "--device", "cuda" if not torch.cuda.is_available() else "cuda:99"), "--device", "cuda"),
-    (("check", "--device", "foo"), "--device", "'foo'"),
     (("check", "--device", "cuda:99"), "--device", "'cuda:99'"),
     (("bench", "--ratios", "2"), "--ratios", "2"),
-])
-def test_user_mistakes_are_one_line_usage_errors(args, option, value):
-    res = run_cli(*args)
-    assert res.returncode == 2, (res.returncode, res.stderr)
-    err = res.stderr.strip()
+    (("check", "--backends", "sdpa", "reference"), "--backends", "'reference'"),
+]
+
+
+def assert_one_line_usage_error(args, option, value, returncode, out, err):
+    assert returncode == 2, (returncode, err)
+    err = err.strip()
     assert "Traceback" not in err and "\n" not in err, err
     assert f"python -m solattn {args[0]}: error:" in err and option in err and value in err
     assert "allowed" in err                                     # says what would work
     if option == "--device":
         assert "a device present here: cpu" in err
-    assert res.stdout == ""
+    assert out == ""
+
+
+@pytest.mark.parametrize("args,option,value", MISTAKES)
+def test_user_mistakes_are_one_line_usage_errors(args, option, value, capsys):
+    try:
+        returncode = cli.main(list(args))
+    except SystemExit as exc:
+        returncode = exc.code
+    captured = capsys.readouterr()
+    assert_one_line_usage_error(args, option, value, returncode, captured.out, captured.err)
+
+
+def test_a_usage_error_from_the_command_line_is_one_line():
+    """The same through ``python -m solattn`` in a fresh interpreter, where an uncaught error would
+    print a traceback."""
+    args, option, value = MISTAKES[0]
+    res = run_cli(*args)
+    assert_one_line_usage_error(args, option, value, res.returncode, res.stdout, res.stderr)
 
 
 def test_device_names_present_here_are_accepted():
@@ -85,7 +118,7 @@ def test_check_prints_skip_reasons_whole(monkeypatch, capsys):
     reason = _long_reason()
     monkeypatch.setattr(sdpamod.SdpaBackend, "not_supported_reasons", lambda self, p: [reason])
     monkeypatch.setenv("COLUMNS", "100")
-    cli.main(["check", "--device", "cpu"])
+    cli.main(["check", "--device", "cpu", "--backends", "sdpa"])
     out = capsys.readouterr().out
     assert reason in " ".join(out.split())                     # every word, in order, none cut
     assert all(len(line) <= 100 for line in out.splitlines())  # wrapped at word boundaries
@@ -100,7 +133,7 @@ def test_check_prints_failure_messages_whole(monkeypatch, capsys):
         raise RuntimeError(reason)
 
     monkeypatch.setattr(sdpamod.SdpaBackend, "forward", boom)
-    assert cli.main(["check", "--device", "cpu"]) == 1
+    assert cli.main(["check", "--device", "cpu", "--backends", "sdpa"]) == 1
     out = capsys.readouterr().out
     assert f"RuntimeError: {reason}" in " ".join(out.split()) and "FAILED" in out
 
