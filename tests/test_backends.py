@@ -631,6 +631,36 @@ def test_sdpa_memory_model_sizes_chunks_within_the_budget():
     assert chunk_bytes(rows_per_chunk(1 << 30, s, torch.device("cpu")), s) <= 32 << 20
 
 
+@pytest.mark.parametrize("large", [False, True])
+def test_sdpa_on_cpu_runs_small_ops_on_one_thread_and_large_ones_on_all(monkeypatch, large):
+    """On the CPU the portable forward runs with one intra-op thread, and only the ops at or above
+    its thresholds (here forced: every op) with the caller's thread count, which it restores; the
+    output is the reference's either way."""
+    from solattn.backends.sdpa import forward
+    seen = []
+    real = forward.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(forward.F, "scaled_dot_product_attention", spy)
+    if large:
+        monkeypatch.setattr(forward, "PARALLEL_FLOPS", 0)
+    q, k, v = make_qkv(1, 300, 2, 16, seed=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        p = validate(q, k, v, topk_ratio=0.3, key_bias=torch.randn(300))
+        out = forward.sdpa_forward(p, build_plan(p))
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+    assert after == 3
+    assert seen and set(seen) == ({3} if large else {1})
+    want = solattn.sol_attn(q, k, v, topk_ratio=0.3, key_bias=p.key_bias, backend="reference")
+    assert rel_l2(out, want) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tail", [False, True])
 def test_sdpa_gathers_whole_blocks_from_layouts_when_they_fit(monkeypatch, dtype, tail):

@@ -50,7 +50,7 @@ def serial_cpu(enabled: bool = True):
         return
     with _serial_lock:
         _serial_state.depth = 1
-        before = torch.get_num_threads()
+        before = _serial_state.before = torch.get_num_threads()
         try:
             if before != 1:
                 torch.set_num_threads(1)
@@ -59,6 +59,22 @@ def serial_cpu(enabled: bool = True):
             if before != 1:
                 torch.set_num_threads(before)
             _serial_state.depth = 0
+
+
+@contextlib.contextmanager
+def parallel_cpu(enabled: bool = True):
+    """Inside a :func:`serial_cpu` section of this thread, run the enclosed ops with the thread
+    count that section found (for the few ops large enough to pay for a parallel region), then
+    go back to one thread. Elsewhere, or with ``enabled`` False, a no-op."""
+    before = getattr(_serial_state, "before", 1)
+    if not enabled or not getattr(_serial_state, "depth", 0) or before == 1:
+        yield
+        return
+    torch.set_num_threads(before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 @dataclass(frozen=True, eq=False)

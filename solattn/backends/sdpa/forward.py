@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...budget import BUDGETS
 from ...routing import Plan, live_token_mask
+from ...routing.stats import parallel_cpu, serial_cpu
 from ...validation import BLOCK, Problem
 from . import masks
 from .grouping import Group, group_rows, needs_mask
@@ -22,6 +23,15 @@ from .memory import (TAIL_ROWS, ChunkShape, fixed_bytes, layout_bytes, packs_kv,
 #: working memory beyond inputs, output and the routing plan, bytes (``solattn.set_memory_budget``,
 #: ``solattn.memory_budget`` or ``SOLATTN_SDPA_BUDGET``; 1 GiB by default)
 budget = BUDGETS["sdpa"]
+
+#: On the CPU the forward runs with one intra-op thread, and only the ops that take about 2 ms or
+#: more on one thread run with the caller's threads: copies of at least this many bytes, ...
+PARALLEL_BYTES = 16 << 20
+#: ... and SDPA calls of at least this many FLOPs. Each op on several threads is an OpenMP
+#: parallel region, and on a CPU whose cores other processes keep busy every region waits for its
+#: descheduled workers (milliseconds each): with two threads on such a 2-core CPU, B=1 T=512 H=2
+#: D=64 took 210 ms instead of 8 ms, and B=1 T=8192 H=2 D=128 top-k 10 % 584 ms instead of 277.
+PARALLEL_FLOPS = 1 << 26
 
 
 def new_output(shape, dtype, device) -> torch.Tensor:
@@ -62,7 +72,13 @@ class _Layouts:
 
 
 def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.Tensor:
-    """SPEC.md's output for ``p`` from ``plan`` through SDPA. ``(B, T, H, D)``, v's dtype."""
+    """SPEC.md's output for ``p`` from ``plan`` through SDPA. ``(B, T, H, D)``, v's dtype. On the
+    CPU with one intra-op thread but for the large ops (:data:`PARALLEL_BYTES`)."""
+    with serial_cpu(p.device.type == "cpu"):
+        return _forward(p, plan, nbytes)
+
+
+def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
     B, T, H, D, n = p.B, p.T, p.H, p.D, p.n
     dev, dt = p.device, p.dtype
     nbytes = nbytes or budget.bytes
@@ -121,13 +137,15 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     chunk_budget -= slice_budget
     for e in range(len(edges) - 1):
         kv = None
+        big_layout = (edges[e + 1] - edges[e]) * T * D * elt >= PARALLEL_BYTES
         if run:
             first, last = edges[e], edges[e + 1]
-            kv = _Layouts(BlockTable(p.k, first, last, call.live, call.work, "kb"),
-                          BlockTable(p.v, first, last, call.live, call.work, "vb"))
-            if tables == 4:    # dead query rows are zeroed in the layout, as k's and v's
-                kv.q = BlockTable(p.q, first, last, call.live, call.work, "qb")
-                kv.out = BlockOutput(flat.view(B, T, H, D), first, last, call.work, "ob")
+            with parallel_cpu(big_layout):
+                kv = _Layouts(BlockTable(p.k, first, last, call.live, call.work, "kb"),
+                              BlockTable(p.v, first, last, call.live, call.work, "vb"))
+                if tables == 4:    # dead query rows are zeroed in the layout, as k's and v's
+                    kv.q = BlockTable(p.q, first, last, call.live, call.work, "qb")
+                    kv.out = BlockOutput(flat.view(B, T, H, D), first, last, call.work, "ob")
         for g, shape, cuts in plans:
             step = rows_per_chunk(chunk_budget, shape, dev)
             span = max(step, slice_budget // slice_bytes_per_row(shape) // step * step)
@@ -137,7 +155,8 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
                     _attend_rows(call, g, chunk, shape, flat, kv)
                 del sl
         if kv is not None and kv.out is not None:
-            kv.out.flush()
+            with parallel_cpu(big_layout):
+                kv.out.flush()
         del kv
     out = flat.view(B, T, H, D)
     if plan.coarse is not None and p.coarse_gate is not None:
@@ -236,8 +255,9 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
         q = zero_dead(q, sl.q_dead)
     if kv is not None:                           # whole blocks; dead rows already zero
         extra = TAIL_ROWS if s.tail else 0
-        k = kv.k.take(sl.kv_idx, count, extra, work, "gk")            # (nr, L, D)
-        v = kv.v.take(sl.kv_idx, count, extra, work, "gv")
+        with parallel_cpu(sl.N * s.gathered_keys * p.D * s.elt >= PARALLEL_BYTES):
+            k = kv.k.take(sl.kv_idx, count, extra, work, "gk")        # (nr, L, D)
+            v = kv.v.take(sl.kv_idx, count, extra, work, "gv")
     else:
         k_rows = call.k.block_rows(b, h, blocks)                             # (nr, count * 64)
         v_rows = (call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides
@@ -269,8 +289,9 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
             if _all_keys_can_die(p):
                 dead = torch.isneginf(base).all(dim=1)[:, None]              # (nr, 1)
             mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
-    o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask,
-                                       scale=p.scale)[:, 0]                   # (nr, Lq, D)
+    with parallel_cpu(4 * q.shape[0] * q.shape[1] * k.shape[1] * p.D >= PARALLEL_FLOPS):
+        o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask,
+                                           scale=p.scale)[:, 0]               # (nr, Lq, D)
     # every term -inf: SPEC.md says 0, not NaN. Off the CPU the select runs unconditionally:
     # testing for a dead row first would stall the device queue once per SDPA call.
     if dead is not None and (o.device.type != "cpu" or bool(dead.any())):
@@ -406,10 +427,11 @@ def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nby
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         blocks = torch.arange(t0, t1, device=out.device) // BLOCK
-        cb = coarse[:, :, blocks].permute(0, 2, 1, 3)                 # (B, t1-t0, H, D) fp32
-        add = (gate[:, t0:t1].to(torch.float32) * cb).to(out.dtype)
-        if grad:
-            parts.append(out[:, t0:t1] + add)
-        else:
-            out[:, t0:t1] += add
+        with parallel_cpu(B * (t1 - t0) * H * D * 4 >= PARALLEL_BYTES):
+            cb = coarse[:, :, blocks].permute(0, 2, 1, 3)             # (B, t1-t0, H, D) fp32
+            add = (gate[:, t0:t1].to(torch.float32) * cb).to(out.dtype)
+            if grad:
+                parts.append(out[:, t0:t1] + add)
+            else:
+                out[:, t0:t1] += add
     return torch.cat(parts, dim=1) if grad else out
