@@ -3,20 +3,28 @@
     python benchmarks/bench_flex_cpu.py                              # the default problems, quiet then loaded
     python benchmarks/bench_flex_cpu.py --T 4096 --H 2 --vsa 4,32,32 --repeats 3   # a smaller run
     ONEDNN_MAX_CPU_ISA=AVX512_CORE python benchmarks/bench_flex_cpu.py   # the same CPU without AMX
+    OMP_NUM_THREADS=16 python benchmarks/bench_flex_cpu.py --preset amx --out-dir DIR   # one bounded run
+    python benchmarks/bench_flex_cpu.py --preset amx --quick --out-dir DIR   # the same, on tiny shapes
 
-For each problem the contenders (dense ``F.scaled_dot_product_attention``, ``sol_attn`` with
-the automatic choice, and the ``sdpa`` and ``flex`` backends by name) run in rounds of rotating
-order; a row gives each one's median time, its ratio to dense in the same rounds (median of
-the per-round ratios), the backend the automatic choice took, flex's first call (compilation
-included, in a fresh compile cache unless ``--warm-cache``) and the error of every output to
-the reference on the first heads (``sol_attn``: the ``reference`` backend on fp32 copies; VSA:
-the ``sdpa`` backend on fp32 copies, which the test suite checks against the reference).
-The whole table is measured twice: quiet, then "loaded", with a busy loop spinning on one core
-(on a 2-core machine: the other core). With ``--profile``, the first problem's ``sdpa`` and
-``flex`` calls also run under ``torch.profiler`` and the top operators by CPU time are appended
-(where the ``sdpa`` backend's time goes: gathers, SDPA calls, copies). Writes Markdown to ``--out``.
+The contenders (dense ``F.scaled_dot_product_attention``, ``sol_attn`` with the automatic
+choice, the ``sdpa`` backend, as is and under other ``SdpaTuning``, and ``flex`` by name;
+``--contenders``) run in rounds of rotating order. A row gives each one's median time, its
+ratio to dense in the same rounds (median of per-round ratios), flex's first call (compilation
+included, in a fresh compile cache unless ``--warm-cache``) and every output's error to the
+reference on the first heads (VSA: the ``sdpa`` backend on fp32 copies, which the tests check
+against the reference); a second table gives the FLOPs and modelled bytes
+(``solattn.bench.models``) and what each contender achieved. A flex call that does not compile
+(the backend then runs it elsewhere, with a warning) or a contender that raises is reported in
+its row with the reason, and the run goes on. The table is measured quiet, then "loaded" (a
+busy loop on one core). ``--profile`` appends ``torch.profiler`` tables of the first problem;
+``--probe`` times single SDPA calls shaped as the ``sdpa`` backend's against the dense call;
+``--time-limit`` lists problems not started by then as skipped. Progress goes to stderr; the
+Markdown (``--out``, or ``flex.md`` in ``--out-dir``) is rewritten after every row.
+
+``--preset amx``: B=1, T=8192, H=16, D=128 bf16 (top-k 10 %, 20 %, tau 1 with tail) and VSA on
+8x64x64 and 16x64x64 grids (32768 and 65536 tokens); dense, sdpa, sdpa-q32, sdpa-par and flex;
+3 rounds, 1 reference head, quiet only, probe and profile, no problem started after 160 s. ``--quick``: tiny shapes.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -27,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 if "--warm-cache" not in sys.argv:       # before torch is imported: a cold compile is what users see first
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="solattn-flex-inductor-"))
@@ -40,10 +49,25 @@ sys.path.insert(0, ROOT)
 import solattn  # noqa: E402
 import solattn.backends.flex as flex  # noqa: E402
 from solattn import dispatch  # noqa: E402
+from solattn.backends.sdpa import SdpaTuning  # noqa: E402
+from solattn.bench.models import bytes_moved, flop_count  # noqa: E402
+from solattn.config import tuning  # noqa: E402
 from solattn.testing import block_structured_qkv, rel_l2  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
-CONTENDERS = ("dense", "auto", "sdpa", "flex")
+CONTENDERS = ("dense", "auto", "sdpa", "sdpa-q32", "sdpa-par", "flex")
+#: the sdpa backend under other settings (SdpaTuning): items of 32 query rows (no per-call
+#: repack of keys and values on AMX), and every op on all threads (the former thread use)
+SDPA_VARIANTS = {"sdpa-q32": SdpaTuning(query_rows=32), "sdpa-par": SdpaTuning(parallel_bytes=0, parallel_flops=0)}
+PRESETS = {"amx": dict(T=8192, H=16, D=128, dtype="bfloat16", vsa=["8,64,64", "16,64,64"], repeats=3,
+                       ref_heads=1, no_loaded=True, contenders="dense,sdpa,sdpa-q32,sdpa-par,flex", probe=True,
+                       profile=True, time_limit=160.0)}
+QUICK = dict(T=512, H=2, D=64, vsa=["2,16,16", "4,16,16"], repeats=2)
+_START = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _START:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _spin(stop) -> None:
@@ -56,43 +80,123 @@ def _inputs(B, T, H, D, dtype, seed=0):
 
 
 def problems(args):
-    """(label, call(backend name or None) -> output, dense call, reference call, kept fraction)."""
+    """Dicts: label, call(backend name or None) -> output, dense call, reference call, plan,
+    (B, T, H, D), heads compared."""
     B, T, H, D, dt = 1, args.T, args.H, args.D, getattr(torch, args.dtype)
+    h = min(H, args.ref_heads)
     q, k, v = _inputs(B, T, H, D, dt)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    dense = lambda: F.scaled_dot_product_attention(qt, kt, vt)  # noqa: E731
-    h = min(H, args.ref_heads)
     for label, kw in (("top-k 10 %", dict(topk_ratio=0.1, tail=False)),
                       ("top-k 20 %", dict(topk_ratio=0.2, tail=False)),
                       ("tau 1, tail", dict(tau=1.0, tail=True))):
-        plan = solattn.routing.build_plan(validate(q, k, v, **kw))
-
         def call(name, kw=kw):
             return solattn.sol_attn(q, k, v, backend=name, **kw)
 
         def ref(kw=kw):
             return solattn.sol_attn(*(x[:, :, :h].float() for x in (q, k, v)), backend="reference", **kw)
-        yield f"B=1 T={T} H={H} D={D} {args.dtype}, {label}", call, dense, ref, plan.kept_fraction, h
+        yield dict(label=f"B=1 T={T} H={H} D={D} {args.dtype}, {label}", call=call,
+                   dense=lambda: F.scaled_dot_product_attention(qt, kt, vt), ref=ref, shape=(B, T, H, D), h=h,
+                   plan=lambda kw=kw: solattn.plan(q, k, v, backend="sdpa", **kw))
     for grid in args.vsa:
         Tv = grid[0] * grid[1] * grid[2]
-        q, k, v = _inputs(B, Tv, H, D, dt, seed=1)
+        qv, kv, vv = _inputs(B, Tv, H, D, dt, seed=1)
         gate = torch.randn(B, Tv, H, D, generator=torch.Generator().manual_seed(2)).to(dt)
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        qvt, kvt, vvt = (x.transpose(1, 2) for x in (qv, kv, vv))
 
-        def call(name, q=q, k=k, v=v, gate=gate, grid=grid):
+        def call(name, q=qv, k=kv, v=vv, gate=gate, grid=grid):
             return solattn.video_sparse_attn(q, k, v, grid, sparsity=0.9, gate=gate, backend=name)
 
-        def ref(q=q, k=k, v=v, gate=gate, grid=grid):
+        def ref(q=qv, k=kv, v=vv, gate=gate, grid=grid):
             q32, k32, v32, g32 = (x[:, :, :h].float() for x in (q, k, v, gate))
             return solattn.video_sparse_attn(q32, k32, v32, grid, sparsity=0.9, gate=g32, backend="sdpa")
 
-        def dense_v(qt=qt, kt=kt, vt=vt):
-            return F.scaled_dot_product_attention(qt, kt, vt)
-        yield f"VSA {grid[0]}x{grid[1]}x{grid[2]} (T={Tv}) H={H} D={D} {args.dtype}, sparsity 0.9, gate", \
-            call, dense_v, ref, 0.1, h
+        yield dict(label=f"VSA {grid[0]}x{grid[1]}x{grid[2]} (T={Tv}) H={H} D={D} {args.dtype}, sparsity 0.9, gate",
+                   call=call, dense=lambda qt=qvt, kt=kvt, vt=vvt: F.scaled_dot_product_attention(qt, kt, vt),
+                   ref=ref, shape=(B, Tv, H, D), h=h,
+                   plan=lambda q=qv, k=kv, v=vv, gate=gate, grid=grid: solattn.video_plan(
+                       q, k, v, grid, sparsity=0.9, gate=gate, backend="sdpa"))
 
 
-def measure(args, loaded: bool):
+def run(pb, name: str):
+    """One call of contender ``name`` (not dense) on problem ``pb``."""
+    if name in SDPA_VARIANTS:
+        with tuning(SDPA_VARIANTS[name]):
+            return pb["call"]("sdpa")
+    return pb["call"](None if name == "auto" else name)
+
+
+def _why(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text[:200]}"
+
+
+def _first_flex_call(pb) -> tuple:
+    """``(output or None, seconds, failure reason or None)`` of the first flex call (it compiles).
+    A compilation failure inside the call is not an exception: the backend records it, warns and
+    runs the call on the next backend; that output is not flex's and is dropped."""
+    before = dict(flex.failures())
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            out = pb["call"]("flex")
+        except Exception as err:  # noqa: BLE001 - reported in the row; the run goes on
+            return None, time.perf_counter() - t0, _why(err)
+    took = time.perf_counter() - t0
+    why = [f"compile failed, ran elsewhere: {v}" for k, v in flex.failures().items() if before.get(k) != v]
+    why += [str(w.message) for w in seen if "could not compile" in str(w.message)]
+    return (None, took, why[0][:300]) if why else (out, took, None)
+
+
+def measure_row(pb, args, deadline: float) -> dict:
+    row = {"problem": pb["label"], "failed": {}, "ms": {}, "x": {}, "err": {}}
+    plan = pb["plan"]()
+    row["kept"], row["kept_pairs"] = plan.kept_fraction, int(plan.kv_num_blocks.sum().item())
+    del plan
+    names = [c for c in args.contenders if c != "dense"]
+    outs = {}
+    if "flex" in names:
+        out, row["flex_first_s"], why = _first_flex_call(pb)
+        if why:
+            row["failed"]["flex"] = why
+        else:
+            outs["flex"] = out
+        log(f"  flex first call {row['flex_first_s']:.1f} s" + (f" (failed: {why})" if why else ""))
+    for name in names:
+        if name == "flex":
+            continue
+        try:
+            outs[name] = run(pb, name)
+        except Exception as err:  # noqa: BLE001 - reported in the row; the run goes on
+            row["failed"][name] = _why(err)
+    if "auto" in names:
+        row["auto_is"] = _auto_name(args, pb["shape"])
+    want = pb["ref"]()
+    for name, out in outs.items():
+        row["err"][name] = rel_l2(out[:, :, :pb["h"]].float(), want)
+    del outs, want
+    fns = {"dense": pb["dense"]}
+    fns.update({n: (lambda n=n: run(pb, n)) for n in names if n not in row["failed"]})
+    order0 = [n for n in args.contenders if n in fns]
+    times = {n: [] for n in order0}
+    for rnd in range(args.repeats):
+        if rnd and time.perf_counter() > deadline:
+            log(f"  time limit: {rnd} round(s)")
+            break
+        order = order0[rnd % len(order0):] + order0[:rnd % len(order0)]
+        for name in order:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    row["rounds"] = len(times["dense"])
+    for name in order0:
+        row["ms"][name] = statistics.median(times[name])
+        if name != "dense":
+            row["x"][name] = statistics.median(d / t for d, t in zip(times["dense"], times[name]))
+    return row
+
+
+def measure(args, loaded: bool, deadline: float, on_row) -> list:
     rows = []
     stop = mp.Event()
     spinner = None
@@ -100,32 +204,21 @@ def measure(args, loaded: bool):
         spinner = mp.Process(target=_spin, args=(stop,), daemon=True)
         spinner.start()
     try:
-        for label, call, dense, ref, kept, h in problems(args):
-            row = {"problem": label, "kept": kept}
-            t0 = time.perf_counter()
-            out = {"flex": call("flex")}
-            row["flex_first_s"] = time.perf_counter() - t0
-            out.update(auto=call(None), sdpa=call("sdpa"))
-            row["auto_is"] = _auto_name(args)
-            want = ref()
-            for name in ("auto", "sdpa", "flex"):
-                row[f"err_{name}"] = rel_l2(out[name][:, :, :h].float(), want)
-            del out
-            fns = {"dense": dense, "auto": lambda: call(None), "sdpa": lambda: call("sdpa"),
-                   "flex": lambda: call("flex")}
-            times = {n: [] for n in CONTENDERS}
-            for rnd in range(args.repeats):
-                order = CONTENDERS[rnd % len(CONTENDERS):] + CONTENDERS[:rnd % len(CONTENDERS)]
-                for name in order:
-                    t0 = time.perf_counter()
-                    fns[name]()
-                    times[name].append((time.perf_counter() - t0) * 1e3)
-            for name in CONTENDERS:
-                row[f"ms_{name}"] = statistics.median(times[name])
-                if name != "dense":
-                    row[f"x_{name}"] = statistics.median(d / t for d, t in zip(times["dense"], times[name]))
-            print(_line(row), file=sys.stderr, flush=True)
+        count = 3 + len(args.vsa)
+        for i, pb in enumerate(problems(args)):          # inputs are made one problem at a time
+            if time.perf_counter() > deadline:
+                row = {"problem": pb["label"], "skipped": f"time limit ({args.time_limit:.0f} s) reached"}
+            else:
+                log(f"row {i + 1}/{count} {pb['label']}")
+                try:
+                    row = measure_row(pb, args, deadline)
+                except Exception as err:  # noqa: BLE001 - one broken row must not lose the others
+                    row = {"problem": pb["label"], "skipped": _why(err)}
+            row["shape"] = pb["shape"]
             rows.append(row)
+            log(f"row {i + 1}/{count} " + _line(row, args))
+            on_row(rows)
+            del pb
     finally:
         if spinner is not None:
             stop.set()
@@ -133,15 +226,68 @@ def measure(args, loaded: bool):
     return rows
 
 
+def probe_lines(args) -> list:
+    """Single SDPA calls shaped as the sdpa backend's (items of 64 query rows against ``c`` kept key
+    blocks; as heads; as 32-row items sharing stride-0 keys, ``SdpaTuning(query_rows=32)``; with
+    an fp32 mask, as with the tail) and the dense call, all threads and one."""
+    dt, D, H, T = getattr(torch, args.dtype), args.D, args.H, args.T
+    c = max(1, round(0.1 * T / 64) + 2)          # ~ top-k 10 % plus the forced neighbours
+    L = c * 64
+    nr = max(1, (32 << 20) // (2 * L * D * torch.finfo(dt).bits // 8))     # a 32 MB chunk of k and v
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(nr, 1, n, D, generator=g).to(dt) for n in (64, L, L))
+    mask = torch.zeros(nr, 1, 1, L)
+    qd, kd, vd = (torch.randn(1, H, T, D, generator=g).to(dt) for _ in range(3))
+    flops = 4.0 * nr * 64 * L * D
+    q32, k32, v32 = q.view(nr, 2, 32, D), k.expand(nr, 2, L, D), v.expand(nr, 2, L, D)
+    cases = {f"items ({nr}, 1, 64, {D}) x ({nr}, 1, {L}, {D})": (lambda: F.scaled_dot_product_attention(q, k, v), flops),
+             "the same as heads (1, nr, ...)": (lambda: F.scaled_dot_product_attention(
+                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)), flops),
+             f"32-row items ({nr}, 2, 32, {D}), stride-0 keys": (lambda: F.scaled_dot_product_attention(
+                 q32, k32, v32), flops),
+             "items with an fp32 mask (nr, 1, 1, L)": (lambda: F.scaled_dot_product_attention(
+                 q, k, v, attn_mask=mask), flops),
+             f"dense (1, {H}, {T}, {D})": (lambda: F.scaled_dot_product_attention(qd, kd, vd), 4.0 * H * T * T * D)}
+    lines = ["## probe: the sdpa backend's SDPA call shapes against dense SDPA", "",
+             f"{args.dtype}, one 32 MB chunk of the sdpa backend at ~top-k 10 % of T={T} ({c} key blocks per "
+             "query block), and the dense call. Median of 3 calls after one.", "",
+             "| call | threads | ms | GFLOP/s |", "|---|---|---|---|"]
+    threads = torch.get_num_threads()
+    for nt in sorted({threads, 1}, reverse=True):
+        torch.set_num_threads(nt)
+        try:
+            for label, (fn, fl) in cases.items():
+                if nt == 1 and label.startswith("dense") and T > 4096:
+                    continue                              # seconds on one thread, says nothing new
+                fn()
+                ts = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append(time.perf_counter() - t0)
+                ms = statistics.median(ts) * 1e3
+                lines.append(f"| {label} | {nt} | {ms:.2f} | {fl / ms / 1e6:.0f} |")
+                log(f"  probe {label}, {nt} threads: {ms:.2f} ms")
+        finally:
+            torch.set_num_threads(threads)
+    return lines + [""]
+
+
 def profile_tables(args) -> list:
     """torch.profiler's top operators (self CPU time) of one call of each backend on the first problem."""
     from torch.profiler import ProfilerActivity, profile
-    label, call, *_ = next(iter(problems(args)))
-    lines = [f"## profile: {label}", ""]
+    pb = next(iter(problems(args)))
+    lines = [f"## profile: {pb['label']}", ""]
     for name in ("sdpa", "flex"):
-        call(name)                                   # compiled / warm before profiling
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            call(name)
+        if name not in args.contenders:
+            continue
+        try:
+            pb["call"](name)                             # compiled / warm before profiling
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                pb["call"](name)
+        except Exception as err:  # noqa: BLE001 - reported instead of the table
+            lines += [f"### {name}", "", f"not profiled: {_why(err)}", ""]
+            continue
         table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=15,
                                                                     max_name_column_width=40,
                                                                     max_shapes_column_width=60)
@@ -149,19 +295,55 @@ def profile_tables(args) -> list:
     return lines
 
 
-def _auto_name(args) -> str:
-    q = torch.empty(1, args.T, args.H, args.D, dtype=getattr(torch, args.dtype))
+def _auto_name(args, shape) -> str:
+    q = torch.empty(*shape, dtype=getattr(torch, args.dtype))
     return dispatch.choose(validate(q, q, q, topk_ratio=0.1)).name
 
 
-def _line(r) -> str:
-    return (f"| {r['problem']} | {r['kept']:.3f} | {r['ms_dense']:.0f} | {r['ms_auto']:.0f} ({r['x_auto']:.2f}x, "
-            f"{r['auto_is']}) | {r['ms_sdpa']:.0f} ({r['x_sdpa']:.2f}x) | {r['ms_flex']:.0f} ({r['x_flex']:.2f}x) "
-            f"| {r['flex_first_s']:.1f} s | {r['err_auto']:.1e} / {r['err_sdpa']:.1e} / {r['err_flex']:.1e} |")
+def _cell(r, name) -> str:
+    if name in r["failed"]:
+        return f"failed: {r['failed'][name]}"
+    if name not in r["ms"]:
+        return "-"
+    extra = f", {r['auto_is']}" if name == "auto" else ""
+    return f"{r['ms'][name]:.1f} ({r['x'][name]:.2f}x{extra})"
 
 
-HEAD = ("| problem | kept | dense ms | automatic ms (x dense, backend) | sdpa ms (x) | flex ms (x) "
-        "| flex first call | error auto / sdpa / flex |\n|---|---|---|---|---|---|---|---|")
+def _line(r, args) -> str:
+    others = [c for c in args.contenders if c != "dense"]
+    if "skipped" in r:
+        return f"| {r['problem']} | skipped: {r['skipped']} |" + " |" * (len(others) + 3)
+    first = f"{r['flex_first_s']:.1f} s" if "flex_first_s" in r else "-"
+    errs = " / ".join(f"{r['err'][n]:.1e}" if n in r["err"] else "-" for n in others)
+    return (f"| {r['problem']} | {r['kept']:.3f} | {r['ms'].get('dense', float('nan')):.1f} | "
+            + " | ".join(_cell(r, n) for n in others) + f" | {first} | {errs} | {r['rounds']} |")
+
+
+def _head(args) -> list:
+    others = [c for c in args.contenders if c != "dense"]
+    names = {n: "automatic ms (x dense, backend)" if n == "auto" else f"{n} ms (x)" for n in CONTENDERS}
+    cols = ["problem", "kept", "dense ms", *(names[n] for n in others), "flex first call",
+            "error " + " / ".join(others), "rounds"]
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
+def model_lines(rows, args) -> list:
+    """Each row's FLOPs and modelled bytes, and what each contender achieved on them."""
+    elt = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    out = ["| problem | GFLOP dense / sparse | MB dense / sdpa / fused | "
+           + " | ".join(f"{n} TFLOP/s, GB/s" for n in args.contenders) + " |",
+           "|" + "---|" * (3 + len(args.contenders))]
+    for r in rows:
+        if "skipped" in r:
+            continue
+        fd, fs = (flop_count(r["shape"], p) for p in (None, r["kept_pairs"]))
+        mb = {m: bytes_moved(r["shape"], elt, r["kept_pairs"], m) for m in ("dense", "sdpa", "fused")}
+        model = {"dense": "dense", "flex": "fused"}                  # flex: gather free; others gather
+        cells = [f"{(fd if n == 'dense' else fs) / r['ms'][n] / 1e9:.2f}, {mb[model.get(n, 'sdpa')] / r['ms'][n] / 1e6:.1f}"
+                 if n in r["ms"] else "-" for n in args.contenders]
+        out.append(f"| {r['problem']} | {fd / 1e9:.0f} / {fs / 1e9:.1f} | "
+                   f"{mb['dense'] / 1e6:.0f} / {mb['sdpa'] / 1e6:.0f} / {mb['fused'] / 1e6:.0f} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 def environment() -> list:
@@ -171,7 +353,8 @@ def environment() -> list:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return [f"- CPU: {cpu}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}",
+    return [f"- CPU: {cpu}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}, "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}",
             f"- torch {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, "
             f"AMX usable: {flex.amx_usable()}, ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(unset)')}, "
             f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')}",
@@ -179,14 +362,21 @@ def environment() -> list:
             f"- compile cache: {'warm (existing)' if '--warm-cache' in sys.argv else 'cold (fresh directory)'}"]
 
 
-def main(argv=None) -> int:
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a fixed option set (see the module doc); "
+                    "options given explicitly are not overridden")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (T=512, H=2, D=64, VSA 2x16x16 and "
+                    "4x16x16, 2 rounds): checks that a command works")
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--vsa", default=["8,64,64", "16,64,64"], nargs="*",
                     help="VSA grids t,h,w (default 32k and 64k tokens); none to skip")
+    ap.add_argument("--contenders", default="dense,auto,sdpa,flex",
+                    help=f"comma-separated, from {','.join(CONTENDERS)} (dense is always timed; sdpa-q32: "
+                    "SdpaTuning(query_rows=32), sdpa-par: every op of the sdpa backend on all threads)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per problem (default 5)")
     ap.add_argument("--ref-heads", type=int, default=2, help="heads compared with the reference (default 2)")
     ap.add_argument("--no-loaded", action="store_true", help="skip the loaded pass")
@@ -194,24 +384,63 @@ def main(argv=None) -> int:
                     "does not show a cold compilation)")
     ap.add_argument("--profile", action="store_true", help="append torch.profiler tables of the first problem's "
                     "sdpa and flex calls")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu", "flex.md"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--probe", action="store_true", help="time the sdpa backend's SDPA call shape against dense SDPA")
+    ap.add_argument("--time-limit", type=float, default=0.0, help="seconds after which no new problem starts "
+                    "(0: none)")
+    ap.add_argument("--out", default=None, help="Markdown file (default benchmarks/results/cpu/flex.md)")
+    ap.add_argument("--out-dir", default=None, help="write flex.md into this folder instead")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(raw)
+    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in raw if a.startswith("--")}
+    for source in ([PRESETS[args.preset]] if args.preset else []) + ([QUICK] if args.quick else []):
+        for key, value in source.items():
+            if key not in given:
+                setattr(args, key, value)
+    args.contenders = ["dense"] + [c for c in args.contenders.split(",") if c and c != "dense"]
+    bad = [c for c in args.contenders if c not in CONTENDERS]
+    if bad:
+        ap.error(f"argument --contenders received {bad}; allowed: {', '.join(CONTENDERS)}")
     args.vsa = [tuple(int(x) for x in g.split(",")) for g in args.vsa]
-    lines = ["# flex on the CPU: sol_attn and VSA against dense SDPA", "",
-             "Command: `python " + " ".join(["benchmarks/bench_flex_cpu.py", *(argv or sys.argv[1:])]) + "`", "",
-             *environment(), "",
-             "Times: median of the rounds; ratios: median over rounds of dense / contender, in the same "
-             "rounds. The machine may be shared: quiet means no load of ours, not an idle machine.", ""]
+    if args.out_dir:
+        args.out = os.path.join(args.out_dir, "flex.md")
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "results", "cpu", "flex.md")
+    return args, raw
+
+
+def main(argv=None) -> int:
+    args, raw = parse(argv)
+    deadline = _START + args.time_limit if args.time_limit > 0 else float("inf")
+    head = ["# flex on the CPU: sol_attn and VSA against dense SDPA", "",
+            "Command: `python " + " ".join(["benchmarks/bench_flex_cpu.py", *raw]) + "`", "",
+            *environment(), "",
+            "Times: median of the rounds; ratios: median over rounds of dense / contender, in the same "
+            "rounds. The machine may be shared: quiet means no load of ours, not an idle machine. Errors: "
+            "relative L2 to the reference on the first heads.", ""]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    done = []
+
+    def write(extra=()):
+        with open(args.out, "w") as f:
+            f.write("\n".join(head + done + list(extra)) + "\n")
+
     passes = [("quiet", False)] + ([] if args.no_loaded else [("loaded (a busy loop on one core)", True)])
     for title, loaded in passes:
-        rows = measure(args, loaded)
-        lines += [f"## {title}", "", HEAD, *(_line(r) for r in rows), ""]
+        log(f"pass: {title}")
+
+        def on_row(rows, title=title):
+            write([f"## {title}", "", *_head(args), *(_line(r, args) for r in rows), ""])
+        rows = measure(args, loaded, deadline, on_row)
+        done += [f"## {title}", "", *_head(args), *(_line(r, args) for r in rows), "",
+                 f"### model ({title})", "", *model_lines(rows, args)]
+        write()
+    if args.probe:
+        done += probe_lines(args)
+        write()
     if args.profile:
-        lines += profile_tables(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines))
-    print(f"wrote {args.out}", file=sys.stderr)
+        log("profile")
+        done += profile_tables(args)
+    write()
+    log(f"wrote {args.out}")
     return 0
 
 

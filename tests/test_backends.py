@@ -631,6 +631,52 @@ def test_sdpa_memory_model_sizes_chunks_within_the_budget():
     assert chunk_bytes(rows_per_chunk(1 << 30, s, torch.device("cpu")), s) <= 32 << 20
 
 
+@pytest.mark.parametrize("rows", [32, 16])
+@pytest.mark.parametrize("tail", [False, True])
+def test_sdpa_query_rows_split_gives_the_same_output_and_gradients(monkeypatch, rows, tail):
+    """SdpaTuning(query_rows=r): each query block runs as 64 / r items sharing its keys (SDPA sees
+    (nr, 64 / r, r, D) queries and stride-0 keys); output and gradients are the default's (tail
+    with one mask row per query row, key_bias, dead rows, a ragged last block)."""
+    from solattn.backends.sdpa import SdpaTuning, forward
+    from solattn.config import tuning
+    shapes = []
+    real = forward.F.scaled_dot_product_attention
+    monkeypatch.setattr(forward.F, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: shapes.append(tuple(q.shape)) or real(q, *a, **kw))
+    T = 600
+    q, k, v = make_qkv(2, T, 2, 32, seed=5)
+    bl = torch.full(((T + 63) // 64,), 64, dtype=torch.int32)
+    bl[2] = 20
+    kw = dict(topk_ratio=0.3, key_bias=torch.randn(2, T), block_len=bl, tail=tail)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    with tuning(SdpaTuning(query_rows=rows)):
+        split = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
+        out = solattn.sol_attn(*leaves, backend="sdpa", **kw)
+    assert (64 // rows, rows) in {s[1:3] for s in shapes}
+    assert {s[2] for s in shapes} <= {rows, T - 64 * 9}                # the ragged block is not split
+    default = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
+    live = torch.cat([torch.arange(64) < int(x) for x in bl])[:T]
+    assert rel_l2(split[:, live], default[:, live]) < 1e-6
+    want = solattn.sol_attn(q, k, v, backend="reference", **kw)
+    assert rel_l2(split[:, live], want[:, live]) < TOL[torch.float32]
+    w = torch.randn_like(out) * live[None, :, None, None]
+    got = torch.autograd.grad(out, leaves, w)
+    ref_leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    ref = solattn.sol_attn(*ref_leaves, backend="reference", **kw)
+    for a, b in zip(got, torch.autograd.grad(ref, ref_leaves, w)):
+        assert rel_l2(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("kwargs, kind", [(dict(query_rows=24), ValueError), (dict(query_rows=0), ValueError),
+                                          (dict(query_rows=32.0), TypeError), (dict(parallel_bytes=-1), ValueError),
+                                          (dict(parallel_flops=True), TypeError)])
+def test_sdpa_tuning_rejects_bad_values(kwargs, kind):
+    from solattn.backends.sdpa import SdpaTuning
+    name = next(iter(kwargs))
+    with pytest.raises(kind, match=f"SdpaTuning: argument '{name}' received"):
+        SdpaTuning(**kwargs)
+
+
 @pytest.mark.parametrize("large", [False, True])
 def test_sdpa_on_cpu_runs_small_ops_on_one_thread_and_large_ones_on_all(monkeypatch, large):
     """On the CPU the portable forward runs with one intra-op thread, and only the ops at or above
@@ -644,14 +690,15 @@ def test_sdpa_on_cpu_runs_small_ops_on_one_thread_and_large_ones_on_all(monkeypa
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)
     monkeypatch.setattr(forward.F, "scaled_dot_product_attention", spy)
-    if large:
-        monkeypatch.setattr(forward, "PARALLEL_FLOPS", 0)
+    from solattn.backends.sdpa import SdpaTuning
+    from solattn.config import tuning
     q, k, v = make_qkv(1, 300, 2, 16, seed=4)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
         p = validate(q, k, v, topk_ratio=0.3, key_bias=torch.randn(300))
-        out = forward.sdpa_forward(p, build_plan(p))
+        with tuning(SdpaTuning(parallel_flops=0) if large else SdpaTuning()):
+            out = forward.sdpa_forward(p, build_plan(p))
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)

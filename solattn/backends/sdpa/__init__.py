@@ -36,8 +36,9 @@ from ...routing import Plan
 from ...validation import Problem
 from ..base import ALL_FEATURES, Backend
 from .forward import budget, sdpa_forward
+from .tuning import SdpaTuning
 
-__all__ = ["SdpaBackend", "budget", "sdpa_forward"]
+__all__ = ["SdpaBackend", "SdpaTuning", "budget", "sdpa_forward"]
 
 
 class SdpaBackend(Backend):

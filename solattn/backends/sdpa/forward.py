@@ -11,27 +11,20 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ...budget import BUDGETS
+from ...config import current_tuning
 from ...routing import Plan, live_token_mask
 from ...routing.stats import parallel_cpu, serial_cpu
 from ...validation import BLOCK, Problem
 from . import masks
 from .grouping import Group, group_rows, needs_mask
 from .layout import BlockOutput, BlockTable, RowTable, Workspace, zero_dead
+from .tuning import SdpaTuning
 from .memory import (TAIL_ROWS, ChunkShape, fixed_bytes, layout_bytes, packs_kv, pairs_per_layout,
                      residual_tokens, rows_per_chunk, slice_bytes_per_row)
 
 #: working memory beyond inputs, output and the routing plan, bytes (``solattn.set_memory_budget``,
 #: ``solattn.memory_budget`` or ``SOLATTN_SDPA_BUDGET``; 1 GiB by default)
 budget = BUDGETS["sdpa"]
-
-#: On the CPU the forward runs with one intra-op thread, and only the ops that take about 2 ms or
-#: more on one thread run with the caller's threads: copies of at least this many bytes, ...
-PARALLEL_BYTES = 16 << 20
-#: ... and SDPA calls of at least this many FLOPs. Each op on several threads is an OpenMP
-#: parallel region, and on a CPU whose cores other processes keep busy every region waits for its
-#: descheduled workers (milliseconds each): with two threads on such a 2-core CPU, B=1 T=512 H=2
-#: D=64 took 210 ms instead of 8 ms, and B=1 T=8192 H=2 D=128 top-k 10 % 584 ms instead of 277.
-PARALLEL_FLOPS = 1 << 26
 
 
 def new_output(shape, dtype, device) -> torch.Tensor:
@@ -56,14 +49,14 @@ class _Call:
     out: RowTable                      # row numbers of the (contiguous) output
     mdt: torch.dtype
     work: Workspace
+    tune: SdpaTuning
     tail_mean: Optional[torch.Tensor] = None  # (B H n,) fp32 mean tail residual per query block
 
 
 @dataclass
 class _Layouts:
     """The block layouts of one run of (batch, head) pairs: keys and values, and in inference the
-    queries and the output too (None with autograd recording, where rows are gathered and
-    scattered straight from q and into the output)."""
+    queries and the output (with autograd recording, None: rows of q and of the output)."""
 
     k: BlockTable
     v: BlockTable
@@ -72,8 +65,12 @@ class _Layouts:
 
 
 def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.Tensor:
-    """SPEC.md's output for ``p`` from ``plan`` through SDPA. ``(B, T, H, D)``, v's dtype. On the
-    CPU with one intra-op thread but for the large ops (:data:`PARALLEL_BYTES`)."""
+    """SPEC.md's output for ``p`` from ``plan`` through SDPA. ``(B, T, H, D)``, v's dtype.
+
+    On the CPU with one intra-op thread, but for the ops that take about 2 ms or more on one
+    thread (:class:`SdpaTuning`). Each op on several threads is an OpenMP parallel region, and on
+    a CPU whose cores other processes keep busy every region waits for its descheduled workers
+    (milliseconds each): on such a 2-core CPU, B=1 T=512 H=2 D=64 took 210 ms instead of 10."""
     with serial_cpu(p.device.type == "cpu"):
         return _forward(p, plan, nbytes)
 
@@ -100,7 +97,7 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
                  slot_entries=(None if slot_bias is None or _all_keys_can_die(p)
                                else slot_bias.flatten(0, 1).to(mdt)),
                  live=live_token_mask(plan.block_len) if p.block_len is not None else None,
-                 mdt=mdt, work=Workspace(enabled=not grad))
+                 mdt=mdt, work=Workspace(enabled=not grad), tune=current_tuning(SdpaTuning))
     masked = needs_mask(plan, p.key_bias is not None, tail)
     rows = torch.arange(B * H * n, device=dev)
     chunk_budget = nbytes - fixed_bytes(B, T, H, n, 0 if slot_bias is None else slot_bias.shape[0],
@@ -115,9 +112,7 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
     elt, mask_elt = torch.finfo(dt).bits // 8, torch.finfo(call.mdt).bits // 8
     # Keys and values (in inference queries and the output too) laid out as contiguous blocks per
     # run of (batch, head) pairs, when one pair's layouts fit in half the budget (the common
-    # case); else rows straight from the inputs. Whole-block copies replace row gathers and row
-    # scatters, and each chunk issues fewer ops: on a CPU whose cores are shared, every op is a
-    # parallel region that may wait for a descheduled worker.
+    # case); else rows straight from the inputs. Whole blocks move faster than rows, in fewer ops.
     tables = 4 if call.work.enabled else 2
     run = pairs_per_layout(chunk_budget, B * H, n, D, elt, tables)
     if run:
@@ -137,7 +132,7 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
     chunk_budget -= slice_budget
     for e in range(len(edges) - 1):
         kv = None
-        big_layout = (edges[e + 1] - edges[e]) * T * D * elt >= PARALLEL_BYTES
+        big_layout = (edges[e + 1] - edges[e]) * T * D * elt >= call.tune.parallel_bytes
         if run:
             first, last = edges[e], edges[e + 1]
             with parallel_cpu(big_layout):
@@ -160,7 +155,7 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
         del kv
     out = flat.view(B, T, H, D)
     if plan.coarse is not None and p.coarse_gate is not None:
-        out = _add_coarse(out, p.coarse_gate, plan.coarse, nbytes, grad)
+        out = _add_coarse(out, p.coarse_gate, plan.coarse, nbytes, grad, call.tune.parallel_bytes)
     return out
 
 
@@ -255,7 +250,7 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
         q = zero_dead(q, sl.q_dead)
     if kv is not None:                           # whole blocks; dead rows already zero
         extra = TAIL_ROWS if s.tail else 0
-        with parallel_cpu(sl.N * s.gathered_keys * p.D * s.elt >= PARALLEL_BYTES):
+        with parallel_cpu(sl.N * s.gathered_keys * p.D * s.elt >= call.tune.parallel_bytes):
             k = kv.k.take(sl.kv_idx, count, extra, work, "gk")        # (nr, L, D)
             v = kv.v.take(sl.kv_idx, count, extra, work, "gv")
     else:
@@ -289,14 +284,30 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
             if _all_keys_can_die(p):
                 dead = torch.isneginf(base).all(dim=1)[:, None]              # (nr, 1)
             mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
-    with parallel_cpu(4 * q.shape[0] * q.shape[1] * k.shape[1] * p.D >= PARALLEL_FLOPS):
-        o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask,
-                                           scale=p.scale)[:, 0]               # (nr, Lq, D)
+    o = _sdpa(call, q, k, v, mask)                                       # (nr, Lq, D)
     # every term -inf: SPEC.md says 0, not NaN. Off the CPU the select runs unconditionally:
     # testing for a dead row first would stall the device queue once per SDPA call.
     if dead is not None and (o.device.type != "cpu" or bool(dead.any())):
         o = torch.where(dead[..., None], torch.zeros((), dtype=o.dtype, device=o.device), o)
     return o
+
+
+def _sdpa(call: _Call, q, k, v, mask) -> torch.Tensor:
+    """``(nr, Lq, D)``: one SDPA call, each query block (``q``: ``(nr, Lq, D)``) against its keys
+    (``k``, ``v``: ``(nr, L, D)``; ``mask``: ``(nr, 1, 1 or Lq, L)`` or None), as items of
+    ``tune.query_rows`` query rows sharing the block's keys (stride-0 views; see SdpaTuning)."""
+    nr, Lq, D = q.shape
+    L, rows = k.shape[1], call.tune.query_rows
+    split = Lq // rows if rows < Lq and Lq % rows == 0 else 1
+    with parallel_cpu(4 * nr * Lq * L * D >= call.tune.parallel_flops):
+        if split == 1:
+            return F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask,
+                                                  scale=call.p.scale)[:, 0]
+        if mask is not None and mask.shape[2] > 1:
+            mask = mask.reshape(nr, split, rows, L)
+        o = F.scaled_dot_product_attention(q.reshape(nr, split, rows, D), k[:, None].expand(nr, split, L, D),
+                                           v[:, None].expand(nr, split, L, D), attn_mask=mask, scale=call.p.scale)
+    return o.reshape(nr, Lq, D)
 
 
 def _all_keys_can_die(p: Problem) -> bool:
@@ -417,7 +428,7 @@ def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRow
 
 
 def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nbytes: int,
-                grad: bool) -> torch.Tensor:
+                grad: bool, parallel_bytes: int) -> torch.Tensor:
     """``out + (gate * coarse_of_block).to(dtype)``, token chunk by token chunk (bounded memory): in
     place in inference; with autograd recording (``grad``), out of place (the chunks concatenated),
     since an in-place add into a slice records CopySlices (see ``sdpa_forward``)."""
@@ -427,7 +438,7 @@ def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nby
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         blocks = torch.arange(t0, t1, device=out.device) // BLOCK
-        with parallel_cpu(B * (t1 - t0) * H * D * 4 >= PARALLEL_BYTES):
+        with parallel_cpu(B * (t1 - t0) * H * D * 4 >= parallel_bytes):
             cb = coarse[:, :, blocks].permute(0, 2, 1, 3)             # (B, t1-t0, H, D) fp32
             add = (gate[:, t0:t1].to(torch.float32) * cb).to(out.dtype)
             if grad:

@@ -1,0 +1,50 @@
+"""The ``sdpa`` backend's settings in force (:func:`solattn.config.tuning`), as a value.
+
+    from solattn.backends.sdpa import SdpaTuning
+    from solattn.config import tuning
+    with tuning(SdpaTuning(query_rows=32)):        # only the calls inside the block
+        out = solattn.sol_attn(q, k, v, topk_ratio=0.1, backend="sdpa")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...config import Tuning
+from ...validation import BLOCK
+
+
+def _fail(name: str, value, allowed: str, kind=ValueError):
+    raise kind(f"SdpaTuning: argument '{name}' received {value!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class SdpaTuning(Tuning):
+    """How the ``sdpa`` backend issues its work; results do not depend on it beyond rounding.
+
+    - ``query_rows``: query rows per item of an SDPA call (a divisor of 64). A 64-row query block
+      becomes ``64 / query_rows`` items (as heads) that share its gathered keys and values
+      through a stride-0 view, not a copy. PyTorch's CPU flash kernel repacks a call's bf16/fp16
+      keys and values for the matrix units (AMX) only when an item has 64 query rows or more:
+      32 skips that whole copy of the keys and values per call and runs the products unpacked.
+      Kernels off the CPU may copy a stride-0 view: keep 64 there.
+    - ``parallel_bytes`` / ``parallel_flops``: on the CPU the forward runs with one intra-op
+      thread, and only copies of at least ``parallel_bytes`` and SDPA calls of at least
+      ``parallel_flops`` (about 2 ms of work on one thread each) run with the caller's threads
+      (see :mod:`.forward`); 0 and 0 run every op with the caller's threads.
+    """
+
+    query_rows: int = BLOCK
+    parallel_bytes: int = 16 << 20
+    parallel_flops: int = 1 << 26
+
+    def __post_init__(self):
+        for name in ("query_rows", "parallel_bytes", "parallel_flops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                _fail(name, value, "an int", TypeError)
+        if self.query_rows < 1 or BLOCK % self.query_rows:
+            _fail("query_rows", self.query_rows, f"a divisor of {BLOCK} (1, 2, 4, 8, 16, 32 or 64)")
+        for name in ("parallel_bytes", "parallel_flops"):
+            if getattr(self, name) < 0:
+                _fail(name, getattr(self, name), "an int >= 0")
