@@ -122,10 +122,10 @@ def counted_launches(monkeypatch):
 def test_backward_reuses_the_plan_and_copies_nothing_q_sized(gate_kind, monkeypatch, counted_launches):
     """With a coarse gate the backward takes the forward's plan (no selection ops, no plan built)
     and carries the coarse branch's gradient without autograd (no ``*_backward`` ops); its only
-    q-sized ops are the layout's gathers into tiles and back, the zeros of the dead rows, the
-    gradients' own buffers and, on the CPU, the staging copies of the block means. The old
-    backward rebuilt the plan with autograd: a top-k, a softmax backward, and per tensor a
-    reshape copy of the expanded mean gradient, its cast and its addition."""
+    q-sized ops are the layout's gathers into tiles and back, the zeros of the dead rows and the
+    gradients' own buffers (the block means come from the dq kernel). The old backward rebuilt
+    the plan with autograd: a top-k, block sums of q, k and v, a softmax backward, and per
+    tensor a reshape copy of the expanded mean gradient, its cast and its addition."""
     grid, segments = (4, 6, 6), (40,)
     q, k, v = (t.requires_grad_(True) for t in make_inputs(grid, segments=segments, dtype=torch.float16, seed=7))
     gate = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).half().requires_grad_(True)
@@ -144,6 +144,5 @@ def test_backward_reuses_the_plan_and_copies_nothing_q_sized(gate_kind, monkeypa
     assert counts.ops["kernel:sol_attn_bwd_dq"] == 1 and counts.ops["kernel:sol_attn_bwd_dkdv"] == 1
     assert not {"topk", "sort", "kthvalue", "argsort"} & set(counts.ops), counts.ops
     assert not [name for name in counts.ops if "backward" in name], counts.ops
-    assert set(counts.large) <= {"index_select", "index_fill_", "empty", "copy_"}, counts.large
-    assert counts.large["copy_"] <= 3, counts.large              # q, k, v means, staged on the CPU
+    assert set(counts.large) <= {"index_select", "index_fill_", "empty"}, counts.large
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -59,7 +59,7 @@ def lse_shape(B: int, T: int, H: int) -> Tuple[int, int, int]:
 def sol_attn_bwd_dq(
     Q, K, V, Out, Resid, DO, Gate, DQ, DGate, Lse, Delta,
     KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
-    DTailLse, DTailValue, DCoarse, DKeyMean,
+    DTailLse, DTailValue, DCoarse, DKeyMean, Means,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
@@ -93,6 +93,18 @@ def sol_attn_bwd_dq(
         tl.store(DGate + out_off[:, None] + dims[None, :], (do32 * coarse[None, :]).to(DGate.dtype.element_ty),
                  mask=row_ok[:, None])
         tl.store(DCoarse + plan_row * HEAD_DIM + dims, tl.sum(gate * do32, 0))
+        # the block means of q, k, v over the live rows, which the coarse term's gradient needs
+        # (Means: fp32 (3, B, H, n, D)); this program's rows are key block q_block's as well
+        inv_len = 1.0 / tl.load(BlockLen + q_block).to(tl.float32)
+        k_own = tl.load(K + b * skb + h * skh + tok64[:, None] * skt + dims[None, :] * skd,
+                        mask=q_live[:, None], other=0.0)
+        v_own = tl.load(V + b * svb + h * svh + tok64[:, None] * svt + dims[None, :] * svd,
+                        mask=q_live[:, None], other=0.0)
+        means = Means + plan_row * HEAD_DIM + dims
+        part = tl.num_programs(1).to(tl.int64) * n_blocks * HEAD_DIM
+        tl.store(means, tl.sum(q.to(tl.float32), 0) * inv_len)
+        tl.store(means + part, tl.sum(k_own.to(tl.float32), 0) * inv_len)
+        tl.store(means + 2 * part, tl.sum(v_own.to(tl.float32), 0) * inv_len)
     # flash attention's delta, dO . O, with O the unrounded attention output: the stored output,
     # less the coarse term as the forward rounded it, plus the forward's rounding residual
     o = tl.load(Out + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
@@ -217,15 +229,13 @@ def sol_attn_bwd_dkdv(
         tl.store(DBias + plan_row * BLOCK + rows, dbias)
 
 
-def coarse_row_grads(problem: Problem, plan, dcoarse: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+def coarse_row_grads(problem: Problem, plan, means: torch.Tensor, dcoarse: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """The coarse branch's share of a live row's ``(dq, dk, dv)`` in each block, fp32 contiguous
-    ``(B, H, n, D)``: its gradient ``dcoarse`` (:func:`sol_attn_bwd_dq`'s block sums) carried
-    through the softmax over the block means (:func:`solattn.routing.coarse_grad.coarse_block_grads`,
-    with the means of ``problem``'s q, k, v as the forward pooled them)."""
+    ``(B, H, n, D)``: its gradient ``dcoarse`` carried through the softmax over the block means
+    ``means`` (``(3, B, H, n, D)``: those of q, k, v; both from :func:`sol_attn_bwd_dq`), see
+    :func:`solattn.routing.coarse_grad.coarse_block_grads`."""
     from ...routing.coarse_grad import coarse_block_grads, per_row
-    from ...routing.stats import block_stats
-    stats = block_stats(problem)
-    grads = coarse_block_grads(stats.qm, stats.km, stats.vm, dcoarse, problem.scale)
+    grads = coarse_block_grads(means[0], means[1], means[2], dcoarse, problem.scale)
     return tuple(per_row(g, plan.block_len) for g in grads)
 
 
@@ -280,6 +290,7 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         dtv = torch.empty((B, H, n, D), dtype=f32, device=dev) if ops.has_tail else dummy
         dkm = torch.empty((B, H, n, D), dtype=f32, device=dev) if ops.has_tail else dummy
         dco = torch.empty((B, H, n, D), dtype=f32, device=dev) if ops.has_coarse else dummy
+        means = torch.empty((3, B, H, n, D), dtype=f32, device=dev) if ops.has_coarse else dummy
         qk_scale = problem.scale * LOG2E
         grid = (n, B * H)
         kernel_dq = compiled(ops.interpret, sol_attn_bwd_dq)
@@ -287,13 +298,13 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         kernel_dq[grid](
             q, k, v, out, resid, dout, gate, dq, dgate, lse, delta,
             ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
-            ops.key_bias, dtl, dtv, dco, dkm,
+            ops.key_bias, dtl, dtv, dco, dkm, means,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *gate.stride(),
             ops.bias_stride_b, T, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )
-        pooled = coarse_row_grads(problem, plan, dco) if ops.has_coarse else (dummy,) * 3
+        pooled = coarse_row_grads(problem, plan, means, dco) if ops.has_coarse else (dummy,) * 3
         kernel_dkdv[grid](
             q, k, v, dout, dq, dk, dv, dbias, lse, delta,
             q_num, q_idx, ops.block_len, ops.key_bias, *pooled,
