@@ -32,6 +32,7 @@ from .backward import (PLANS, backward_buffers, fake_fused, fake_grads, fused_gr
                        grads_as_outputs, grads_from_outputs, own_backward, recompute_grads, run_for_backward)
 from .modes import autograd_dispatch, forward_settings, traced
 from .routing import Plan, build_plan, build_vsa_plan
+from .routing.fused import fused_plan_usable
 from .validation import Problem, validate
 
 Tensor = torch.Tensor
@@ -97,6 +98,19 @@ class Route:
         """The coarse gate in the backend's layout (``tq``: q in that layout)."""
         return gate
 
+    def prepare(self, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], key_bias: Optional[Tensor],
+                block_len: Optional[Tensor], requested: Optional[str], want_lse: bool) -> Tuple[Problem, Backend]:
+        """``(problem, backend)``: the problem of the backend's layout and the backend that runs it
+        (``want_lse``: a backward may follow)."""
+        tq, tk, tv = (self.tiled(x) for x in (q, k, v))
+        problem = self.problem(tq, tk, tv, self.gate(gate, tq), key_bias, block_len)
+        return problem, self.choose(problem, requested)
+
+    def output(self, out: Tensor, problem: Problem) -> Tensor:
+        """The backend's output of ``problem`` in the caller's rows (a problem with a row table
+        wrote them there already)."""
+        return out if problem.rows is not None else self.untiled(out)
+
     def problem(self, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], key_bias: Optional[Tensor],
                 block_len: Optional[Tensor]) -> Problem:
         """The validated problem of the backend's layout."""
@@ -152,7 +166,30 @@ class VideoRoute(Route):
         take the problem from here, so both sum the same way."""
         problem = validate(q, k, v, scale=self.call.scale, tail=False, block_len=self.layout.block_len,
                            coarse_gate=gate)
-        return dataclasses.replace(problem, dead_rows_zero=True)
+        return dataclasses.replace(problem, dead_rows_zero=True, sink_q=self.long_rows())
+
+    def long_rows(self) -> Optional[Tuple[int, int]]:
+        """The query tiles that attend every tile (the prefix's) as the problem's ``sink_q``: the
+        selection is the plan's, a backend may schedule those long rows first."""
+        P = self.layout.num_prefix_blocks
+        return (0, P) if P else None
+
+    def prepare(self, q, k, v, gate, key_bias, block_len, requested, want_lse):
+        """No tiled copies where the chosen backend reads the layout's row table
+        (``Backend.row_table``): a problem with ``rows``, the caller's tensors and ``block_len``,
+        when the plan needs no tiled copy either: the caller's, or the fused plan, which reads the
+        table too (not where a backward rebuilds the coarse term through torch: the forward's plan
+        is then torch's as well, :func:`solattn.backward.fused_plan_allowed`). A backward tiles
+        the saved tensors itself; the forward's ``lse`` and ``resid`` are in the tiled rows."""
+        raw = validate(q, k, v, scale=self.call.scale, tail=False,
+                       coarse_gate=None if gate is None else gate.expand(q.shape))
+        problem = dataclasses.replace(raw, block_len=self.layout.block_len, rows=self.layout.gather,
+                                      sink_q=self.long_rows())
+        chosen = self.choose(problem, requested)
+        if chosen.row_table and (self.given or (fused_plan_allowed(chosen, problem, want_lse)
+                                                and fused_plan_usable(problem))):
+            return problem, chosen
+        return super().prepare(q, k, v, gate, key_bias, block_len, requested, want_lse)
 
     def requested(self, requested: Optional[str]) -> Optional[str]:
         backend = plan_backend(requested)
@@ -197,15 +234,13 @@ def run(route: Route, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], k
     (``(lse, resid)`` from :func:`backward_buffers`) are given, else None. Autograd records
     as the chosen backend allows (the backward's recomputation runs here)."""
     requested = route.requested(requested)
-    tq, tk, tv = (route.tiled(x) for x in (q, k, v))
-    problem = route.problem(tq, tk, tv, route.gate(gate, tq), key_bias, block_len)
-    chosen = route.choose(problem, requested)
     want = buffers is not None and buffers[0].numel() > 0
+    problem, chosen = route.prepare(q, k, v, gate, key_bias, block_len, requested, want)
     plan = route.plan(problem, fused=fused_plan_allowed(chosen, problem, want)) if chosen.uses_plan else None
     if buffers is None:
-        return route.untiled(chosen.forward(problem, plan)), None
+        return route.output(chosen.forward(problem, plan), problem), None
     out, fused = run_for_backward(chosen, problem, plan, *buffers)
-    return route.untiled(out), fused
+    return route.output(out, problem), fused
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],

@@ -54,6 +54,12 @@ class Problem:
     #: block_len's dead rows of k and v hold zeros (VSA's tiled layout writes them), so a kernel may
     #: read them unmasked (the triton backend's TMA loads); a caller's own block_len promises nothing
     dead_rows_zero: bool = False
+    #: the layout's row table, int64 ``(rows,)``: row r of the problem is token ``rows[r]`` (dim 1)
+    #: of q, k, v and coarse_gate when r is live (``block_len``); its dead rows are never read. The
+    #: output is then in the tensors' own token order, and ``T`` counts the rows. Only backends
+    #: with ``Backend.row_table`` get such a problem (VSA's tiled layout without a gathered copy);
+    #: None: row r is token r
+    rows: Optional[torch.Tensor] = None
 
     @property
     def B(self) -> int:
@@ -61,7 +67,7 @@ class Problem:
 
     @property
     def T(self) -> int:
-        return self.q.shape[1]
+        return self.q.shape[1] if self.rows is None else self.rows.shape[0]
 
     @property
     def H(self) -> int:

@@ -313,16 +313,17 @@ def test_vsa_plan_matches_torch_plan(mode, segments, gate):
         build_vsa_plan(problem, n_video + 1, P, mode, fused=True)
 
 
-def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, vsa_plan_marks, tma_everywhere):
+def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, tma_everywhere):
     grid, segments = (4, 8, 8), (70,)
     T = sum(segments) + 4 * 8 * 8
     q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, seed=5)
     gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(6)).to(q.dtype)
-    calls = []
+    calls, tables = [], []
     real = fused.fused_plan
 
     def spy(problem, rule=None):
         calls.append(rule)
+        tables.append(problem.rows is not None)
         return real(problem, rule)
 
     monkeypatch.setattr(fused, "fused_plan", spy)
@@ -343,17 +344,18 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, vsa_plan_mark
         assert rel < 1e-2, rel
     assert [r.near for r in calls] == [False, False] and [r.q1 for r in calls] == [2, 2]
     assert [r.s1 for r in calls] == [2, 0]
-    # the tiled layout's dead rows (the prefix's partial tile) are zeros: TMA loads with block_len
-    assert tma_calls == [True, True]
+    # the plan and the kernel read the caller's q, k, v through the layout's row table; the kernel
+    # takes TMA loads from its tiled copy of k and v (zeros in the dead rows)
+    assert tables == [True, True] and tma_calls == [True, True]
     # a backward follows: it keeps the forward's plan (the coarse term's gradient needs no
-    # rebuild), so the forward takes the fused plan too; its problem is marked dead_rows_zero
+    # rebuild), so the forward takes the fused plan too, from the row table as well
     calls.clear()
-    vsa_plan_marks.clear()
+    tables.clear()
     qg = q.clone().requires_grad_(True)
     solattn.video_sparse_attn(qg, k, v, grid, backend="triton", sparsity=0.75, gate=gate,
                               prefix_len=list(segments)).float().sum().backward()
     assert len(calls) == 1 and qg.grad is not None and torch.isfinite(qg.grad).all()
-    assert vsa_plan_marks == [True], vsa_plan_marks
+    assert tables == [True]
 
 
 def test_tma_with_block_len_only_where_dead_rows_are_zeros(tma_everywhere):

@@ -72,6 +72,10 @@ class Backend:
     #: takes a plan whose ``kv_indices`` may be wider than the largest count (0-padded), so the
     #: GPU routing plan can be built without a host synchronisation (``build_plan(fused=True)``)
     fused_plan: ClassVar[bool] = False
+    #: runs a problem with a row table (``Problem.rows``: VSA's tiled layout read straight from the
+    #: caller's token order, the output written back in that order), so the op layer makes no
+    #: tiled copies for it; other backends get the tiled copies
+    row_table: ClassVar[bool] = False
     #: on CUDA devices, the oldest compute capability the backend runs on, e.g. ``(8, 0)``
     min_compute_capability: ClassVar[Optional[Tuple[int, int]]] = None
     #: how a backward pass differentiates the backend's output:

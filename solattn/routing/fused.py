@@ -265,10 +265,12 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
     vm = means[2] if need_v else km   # not read without the tail and coarse terms
     L = torch.empty(n, dtype=i32, device=dev)
     has_len = problem.block_len is not None
+    rows = problem.rows                 # a row table: the rows are read at its tokens
     compiled(interpret, fk.means_kernel)[(n, G)](
-        q, k, v, problem.block_len if has_len else L, qm, km, vm, L,
+        q, k, v, problem.block_len if has_len else L, L if rows is None else rows, qm, km, vm, L,
         *q.stride(), *k.stride(), *v.stride(), T, H, n,
-        HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 2 if D <= 128 else 4))
+        HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 2 if D <= 128 else 4),
+        **({"ROWS": True} if rows is not None else {}))
 
     rule = rule or sol_attn_rule(problem)
     sel, kk, s0, s1, q0, q1, near, centre = rule

@@ -13,11 +13,15 @@ from ..kernels.runtime import gpu_jit
 
 
 @gpu_jit
-def means_kernel(Q, K, V, BlockLen, Qm, Km, Vm, Lout,
+def means_kernel(Q, K, V, BlockLen, Rows, Qm, Km, Vm, Lout,
                  sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd,
                  T, H, n,
                  HAS_BLOCK_LEN: tl.constexpr, NEED_V: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, ROWS: tl.constexpr = False):
+    """fp32 means of q, k (and with NEED_V v) over the live rows of block j (program ids: block,
+    batch * head), and its live length. With ROWS, row r of the problem is token ``Rows[r]`` of
+    the tensors (``Problem.rows``): the live rows are read there, in the same order, so the sums
+    are those of a tiled copy."""
     j = tl.program_id(0)
     g = tl.program_id(1)
     b = (g // H).to(tl.int64)
@@ -29,6 +33,8 @@ def means_kernel(Q, K, V, BlockLen, Qm, Km, Vm, Lout,
     if HAS_BLOCK_LEN:
         L = tl.minimum(L, tl.minimum(tl.maximum(tl.load(BlockLen + j), 1), BLOCK))
     tok = (j * BLOCK + rows).to(tl.int64)
+    if ROWS:
+        tok = tl.load(Rows + tok, mask=rows < L, other=0)
     live = (rows < L)[:, None]
     # dead rows are masked out of the load: they add 0 even when they hold NaN
     x = tl.load(Q + b * sqb + h * sqh + tok[:, None] * sqt + dims[None, :] * sqd, mask=live, other=0.0)

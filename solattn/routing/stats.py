@@ -195,6 +195,9 @@ def _block_sums_cpu(xs, L: torch.Tensor, all_live: bool, out: torch.Tensor) -> N
 
 def block_stats(problem: Problem) -> BlockStats:
     """Block means of q, k, v over live rows and the key centroid ``m`` (SPEC.md, "Pooled statistics")."""
+    if problem.rows is not None:
+        raise ValueError("block_stats: argument 'problem' received a problem with a row table "
+                         "(Problem.rows); allowed: its tiled copy (only the fused plan reads a row table)")
     L = live_lengths(problem)
     # the dead rows need masking out of the sums unless they hold zeros (VSA's tiled layout)
     all_live = problem.block_len is None or problem.dead_rows_zero

@@ -60,9 +60,12 @@ class KernelOperands:
     coarse: torch.Tensor
     key_bias: torch.Tensor
     bias_stride_b: int
+    #: the row table (``Problem.rows``), int64; ``key_mean`` (never read) without one
+    rows: torch.Tensor
     has_tail: bool
     has_coarse: bool
     has_bias: bool
+    has_rows: bool
     interpret: bool
 
 
@@ -74,6 +77,9 @@ def kernel_operands(problem: Problem, plan) -> KernelOperands:
     has_tail = problem.tail and plan.tail_lse is not None
     has_coarse = problem.coarse_gate is not None
     has_bias = problem.key_bias is not None
+    has_rows = problem.rows is not None
+    if has_rows and has_bias:
+        raise RuntimeError("triton backend: a problem with a row table (Problem.rows) has no key_bias")
 
     def field(t, used):
         return t.detach().to(f32).contiguous() if used else key_mean
@@ -98,24 +104,26 @@ def kernel_operands(problem: Problem, plan) -> KernelOperands:
         key_mean=key_mean,
         tail_lse=field(plan.tail_lse, has_tail), tail_value=field(plan.tail_value, has_tail),
         coarse=coarse, key_bias=key_bias, bias_stride_b=bias_stride_b,
-        has_tail=has_tail, has_coarse=has_coarse, has_bias=has_bias, interpret=interpret)
+        rows=problem.rows.to(torch.int64).contiguous() if has_rows else key_mean,
+        has_tail=has_tail, has_coarse=has_coarse, has_bias=has_bias, has_rows=has_rows, interpret=interpret)
 
 
 def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
            resid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Run the kernel on ``problem`` with the selection in ``plan``; returns ``(B, T, H, D)`` contiguous.
+    """Run the kernel on ``problem`` with the selection in ``plan``; returns ``(B, T, H, D)`` contiguous
+    (with a row table, ``Problem.rows``: q's shape, in q's token order).
 
     ``config`` defaults to the :class:`~.tuning.TritonTuning` in force (:func:`solattn.config.tuning`):
     its ``forward`` config, else ``DEFAULT_CONFIGS`` for the head dim with pointer loads below
     ``tma_min_programs`` programs, unless a CUDA graph is being recorded and ``tma_in_graphs``.
-    ``out``, when given, must be a contiguous ``(B, T, H, D)`` tensor of v's dtype on q's device;
+    ``out``, when given, must be a contiguous tensor of that shape, of v's dtype on q's device;
     the kernel writes every element of it (tests poison it first).
     ``lse`` and ``resid``, given together, receive what the fused backward needs: ``lse`` a
     contiguous fp32 ``(B, H, n * 64)`` tensor, each row's base-2 log-sum-exp (see
-    :func:`solattn.backends.triton.backward.lse_shape`); ``resid`` a tensor like ``out``, the
-    output's rounding residual (output + residual = the unrounded attention output, see
-    ``kernel.write_rows``).
+    :func:`solattn.backends.triton.backward.lse_shape`); ``resid`` a contiguous ``(B, T, H, D)``
+    tensor of v's dtype (``T`` the problem's rows), the output's rounding residual (output +
+    residual = the unrounded attention output, see ``kernel.write_rows``).
     """
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"triton backend: argument 'config' received {type(config).__name__}; "
@@ -141,9 +149,10 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
 
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
     v = problem.v
+    T_out = problem.q.shape[1]            # the tensors' tokens: T, or fewer with a row table
     if out is None:
-        out = torch.empty((B, T, H, D), dtype=v.dtype, device=v.device)
-    _check_buffer("out", out, (B, T, H, D), v.dtype, v.device)
+        out = torch.empty((B, T_out, H, D), dtype=v.dtype, device=v.device)
+    _check_buffer("out", out, (B, T_out, H, D), v.dtype, v.device)
     if (lse is None) != (resid is None):
         raise ValueError("triton backend: arguments 'lse' and 'resid' received "
                          f"{'a tensor' if lse is not None else 'None'} and {'a tensor' if resid is not None else 'None'}; "
@@ -153,19 +162,27 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
     ops = kernel_operands(problem, plan)
     use_tma = cfg.tma and _tma_ok(problem, ops.interpret)
     q, k_arg, v_arg = ops.q, ops.k, ops.v
+    if ops.has_rows and use_tma:          # TMA reads a block's rows contiguous: a tiled copy
+        k_arg, v_arg = tiled_kv(ops, B, T, H, D)
+    k_strides, v_strides = k_arg.stride(), v_arg.stride()
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D])
-                        for t in (ops.k, ops.v))
+                        for t in (k_arg, v_arg))
+    # the query blocks that attend every key block (sink_q; VSA's prefix tiles) are the long
+    # programs: launched first (kernel.program_ids)
+    long_lo, long_hi = problem.sink_q or (0, 0)
+    long_first = 0 < long_hi - long_lo < n
     grid = (n, B * H)
     compiled(ops.interpret, kernel.sol_attn_fwd)[grid](
         q, k_arg, v_arg, out, ops.gate,
         ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
-        ops.key_bias, ops.key_mean if lse is None else lse, out if resid is None else resid,
-        *q.stride(), *ops.k.stride(), *ops.v.stride(), *ops.gate.stride(),
+        ops.key_bias, ops.key_mean if lse is None else lse, out if resid is None else resid, ops.rows,
+        *q.stride(), *k_strides, *v_strides, *ops.gate.stride(),
         ops.bias_stride_b,
-        T, H, n, ops.kv_idx.shape[-1],
+        T, T_out, H, n, ops.kv_idx.shape[-1],
         problem.scale * kernel.LOG2E,
+        long_lo, long_hi - long_lo,
         HEAD_DIM=D, BLOCK=BLOCK,
         HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse, KV_TMA=use_tma,
         # the softmax may scale raw logits in its FMA only where nothing is added to them and a
@@ -174,19 +191,38 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"WRITE_LSE": True} if lse is not None else {}),
         **({"TMA_LEN": True} if use_tma and problem.block_len is not None else {}),
+        **({"ROWS": True, "KV_ROWS": not use_tma} if ops.has_rows else {}),
+        **({"LONG_FIRST": True} if long_first else {}),
     )
     return out
+
+
+def tiled_kv(ops: KernelOperands, B: int, T: int, H: int, D: int):
+    """Contiguous ``(B, T, H, D)`` copies of k and v in the row table's order, zeros in the dead
+    rows (``kernel.tile_kv``, one launch for both): what TMA loads of a problem with a row table read."""
+    from ...kernels.runtime import compiled  # imports triton
+    from . import kernel
+
+    kt = torch.empty((B, T, H, D), dtype=ops.k.dtype, device=ops.k.device)
+    vt = torch.empty((B, T, H, D), dtype=ops.v.dtype, device=ops.v.device)
+    compiled(ops.interpret, kernel.tile_kv)[(-(-T // BLOCK), B * H)](
+        ops.k, ops.v, kt, vt, ops.rows, ops.block_len, *ops.k.stride(), *ops.v.stride(), T, H,
+        HEAD_DIM=D, BLOCK=BLOCK)
+    return kt, vt
 
 
 def _tma_ok(problem: Problem, interpret: bool) -> bool:
     """TMA descriptors need sm_90+, a contiguous last dim and 16-byte aligned strides and bases;
     dead rows inside T (block_len) are read unmasked, so block_len keeps the pointer path unless
-    they are known to hold zeros (``Problem.dead_rows_zero``: VSA's tiled layout)."""
-    if problem.block_len is not None and not problem.dead_rows_zero:
+    they are known to hold zeros (``Problem.dead_rows_zero``: VSA's tiled layout, and the copies
+    :func:`tiled_kv` makes for a problem with a row table)."""
+    if problem.block_len is not None and not (problem.dead_rows_zero or problem.rows is not None):
         return False
     if not interpret:
         if problem.device.type != "cuda" or torch.cuda.get_device_capability(problem.device)[0] < 9:
             return False
+    if problem.rows is not None:
+        return True                # fresh contiguous copies (tiled_kv)
     for t in (problem.k, problem.v):
         es = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
@@ -205,6 +241,7 @@ class TritonBackend(Backend):
     features = ALL_FEATURES - {"autograd"}   # the kernel records no autograd: it has its own backward
     uses_plan = True
     fused_plan = True  # reads kv_num_blocks entries per row; the row stride is kv_indices' width
+    row_table = True   # reads q, k, v, the gate and writes the output at a row table's tokens
     min_compute_capability = (8, 0)
     differentiation = "own"
 

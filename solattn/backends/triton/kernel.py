@@ -4,7 +4,11 @@ Each program loads its query block once, walks that block's ``kv_indices`` with 
 online softmax in base 2, and writes the finished rows. Nothing is gathered in
 memory: key and value rows are read straight from the caller's ``(B, T, H, D)``
 tensors, through their strides (pointer loads) or through ``(B, T, H, D)`` TMA
-tensor descriptors (``KV_TMA``, sm_90+).
+tensor descriptors (``KV_TMA``, sm_90+). A problem with a row table
+(``Problem.rows``: VSA's tiled layout over the model's token order) reads its query
+rows and gate and writes its output at the table's tokens (``ROWS``), and its keys and
+values either the same way (``KV_ROWS``, pointer loads) or from a tiled copy that
+:func:`tile_kv` writes for TMA loads, which need a block's rows contiguous.
 
 Two identities keep the inner loop as short as dense flash attention's:
 
@@ -39,17 +43,32 @@ LOG2E = math.log2(math.e)
 
 
 @gpu_jit
-def query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
-                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's query rows: ``(q, tok_q, row_ok)``; dead rows (block_len) read as zeros,
-    so their outputs are unspecified but finite."""
+def query_rows(Q, Rows, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
+               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """This program's query rows: ``(q, tok_q, row_ok, src, q_live)``: ``tok_q`` the problem's rows,
+    ``src`` the tokens of Q they read (``Rows[tok_q]`` with ROWS, the row table of
+    ``Problem.rows``; else ``tok_q``), ``q_live`` the live ones; dead rows read as zeros (never
+    through the table), so their outputs are unspecified but finite."""
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     tok_q = q_block * BLOCK + rows
     row_ok = tok_q < T
-    q_ptrs = Q + b * sqb + h * sqh + tok_q.to(tl.int64)[:, None] * sqt + dims[None, :] * sqd
     q_live = row_ok & (rows < tl.load(BlockLen + q_block))
+    if ROWS:
+        src = tl.load(Rows + tok_q, mask=q_live, other=0)
+    else:
+        src = tok_q.to(tl.int64)
+    q_ptrs = Q + b * sqb + h * sqh + src[:, None] * sqt + dims[None, :] * sqd
     q = tl.load(q_ptrs, mask=q_live[:, None], other=0.0)
+    return q, tok_q, row_ok, src, q_live
+
+
+@gpu_jit
+def query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
+                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`query_rows` of a problem without a row table: ``(q, tok_q, row_ok)``."""
+    q, tok_q, row_ok, _src, _live = query_rows(Q, Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
+                                               HEAD_DIM, BLOCK, False)
     return q, tok_q, row_ok
 
 
@@ -76,24 +95,50 @@ def start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
 
 
 @gpu_jit
-def program_start(Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
-                  T, H, n_blocks, max_blocks, qk_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_TAIL: tl.constexpr):
-    """Everything a program knows before its key loop, from its program ids (query block, b*H + h):
-    ``(bh, b, h, plan_row, q, tok_q, row_ok, m, l, acc, count, idx_row)``, where ``plan_row`` is
-    the flat index of (b, h, query block) in the plan, ``count`` its number of listed key blocks
-    and ``idx_row`` the pointer to their indices."""
+def program_ids(n_blocks, long_lo, long_n, LONG_FIRST: tl.constexpr):
+    """``(query block, b*H + h)`` of this program. GPUs start programs in about the order of their
+    linear id (grid axis 0 fastest). With LONG_FIRST the ``long_n`` query blocks from ``long_lo``
+    on, which attend every key block (``sink_q``: VSA's prefix tiles, 9x the work of a video tile
+    at H3), take the first ids for every batch * head, then the rest follow head by head. In grid
+    order the last heads' long programs would start near the end and run on alone after every
+    other program had finished (longest work first is the classic cure)."""
     q_block = tl.program_id(0)
     bh = tl.program_id(1)
+    if LONG_FIRST:
+        t = bh * n_blocks + q_block
+        n_long = long_n * tl.num_programs(1)
+        if t < n_long:
+            bh = t // long_n
+            q_block = long_lo + t % long_n
+        else:
+            u = t - n_long
+            bh = u // (n_blocks - long_n)
+            q_block = u % (n_blocks - long_n)
+            q_block = tl.where(q_block >= long_lo, q_block + long_n, q_block)
+    return q_block, bh
+
+
+@gpu_jit
+def program_start(Q, Rows, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
+                  T, H, n_blocks, max_blocks, qk_scale, long_lo, long_n,
+                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_TAIL: tl.constexpr, ROWS: tl.constexpr,
+                  LONG_FIRST: tl.constexpr):
+    """Everything a program knows before its key loop, from its program ids (:func:`program_ids`):
+    ``(bh, b, h, plan_row, q, tok_q, row_ok, src, q_live, m, l, acc, count, idx_row)``, where
+    ``plan_row`` is the flat index of (b, h, query block) in the plan, ``src`` and ``q_live`` as
+    :func:`query_rows` gives them, ``count`` its number of listed key blocks and ``idx_row`` the
+    pointer to their indices."""
+    q_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     plan_row = bh.to(tl.int64) * n_blocks + q_block
-    q, tok_q, row_ok = query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T, HEAD_DIM, BLOCK)
+    q, tok_q, row_ok, src, q_live = query_rows(Q, Rows, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
+                                               HEAD_DIM, BLOCK, ROWS)
     m_i, l_i, acc = start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
                                 HEAD_DIM, BLOCK, HAS_TAIL)
     count = tl.load(KvNum + plan_row)
     idx_row = KvIdx + plan_row * max_blocks
-    return bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row
+    return bh, b, h, plan_row, q, tok_q, row_ok, src, q_live, m_i, l_i, acc, count, idx_row
 
 
 @gpu_jit
@@ -109,12 +154,14 @@ def block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS: tl.constexpr):
 
 
 @gpu_jit
-def key_block(K, V, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
-              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr, TMA_LEN: tl.constexpr):
+def key_rows(K, V, Rows, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
+             HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr, TMA_LEN: tl.constexpr,
+             KV_ROWS: tl.constexpr):
     """The ``step``-th listed key block: ``(k, v, tok_k, live, ragged)``, ``live`` its key rows that
     are keys and ``ragged`` whether any is not (a block cut by T or by block_len). K and V are both
     asked for here, before the caller's softmax, which gives their loads the whole step to land
-    (4 % faster at H3 on an H200 than loading V after the softmax)."""
+    (4 % faster at H3 on an H200 than loading V after the softmax). With KV_ROWS the live rows are
+    read at their tokens ``Rows[tok_k]`` (pointer loads: a block's rows are not contiguous)."""
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     kv_block = tl.load(KvIdx_row + step)
@@ -132,11 +179,23 @@ def key_block(K, V, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh
         k = K.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
         v = V.load([bh // H, kv_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
     else:
-        k = tl.load(K + b * skb + h * skh + tok_k[:, None] * skt + dims[None, :] * skd,
+        if KV_ROWS:
+            src = tl.load(Rows + tok_k, mask=live, other=0)
+        else:
+            src = tok_k
+        k = tl.load(K + b * skb + h * skh + src[:, None] * skt + dims[None, :] * skd,
                     mask=live[:, None], other=0.0)
-        v = tl.load(V + b * svb + h * svh + tok_k[:, None] * svt + dims[None, :] * svd,
+        v = tl.load(V + b * svb + h * svh + src[:, None] * svt + dims[None, :] * svd,
                     mask=live[:, None], other=0.0)
     return k, v, tok_k, live, ragged
+
+
+@gpu_jit
+def key_block(K, V, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
+              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr, TMA_LEN: tl.constexpr):
+    """:func:`key_rows` of a problem without a row table."""
+    return key_rows(K, V, K, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
+                    HEAD_DIM, BLOCK, KV_TMA, TMA_LEN, False)
 
 
 @gpu_jit
@@ -186,9 +245,10 @@ def softmax_update(s, m_i, l_i, qk_scale, FOLD_SCALE: tl.constexpr):
 
 
 @gpu_jit
-def write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
+def write_rows(Out, Gate, Coarse, acc, l_i, tok_out, out_ok, b, h, plan_row, T_out, H,
                sgb, sgt, sgh, sgd, HEAD_DIM: tl.constexpr, HAS_COARSE: tl.constexpr):
-    """Normalise, add the coarse term, store into the contiguous ``(B, T, H, D)`` output.
+    """Normalise, add the coarse term, store into the contiguous ``(B, T_out, H, D)`` output at
+    tokens ``tok_out`` (rows ``out_ok``; the gate is read at the same tokens).
 
     Returns the stored rows' rounding residual ``fine - (out - coarse term)`` in fp32 (``fine`` the
     attention part before rounding, the coarse term as rounded here): the stored output plus that
@@ -199,30 +259,31 @@ def write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
     out = fine.to(Out.dtype.element_ty)
     resid = fine - out.to(tl.float32)
     if HAS_COARSE:
-        g_ptrs = Gate + b * sgb + h * sgh + tok_q.to(tl.int64)[:, None] * sgt + dims[None, :] * sgd
-        gate = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        g_ptrs = Gate + b * sgb + h * sgh + tok_out[:, None] * sgt + dims[None, :] * sgd
+        gate = tl.load(g_ptrs, mask=out_ok[:, None], other=0.0).to(tl.float32)
         coarse = tl.load(Coarse + plan_row * HEAD_DIM + dims)
         # added after the cast to v's dtype (the spec's order): round both terms, add in fp32,
         # round once more, which is what a bf16/fp16 add does (and the interpreter's does not)
         coarse_term = (gate * coarse[None, :]).to(Out.dtype.element_ty)
         out = (out.to(tl.float32) + coarse_term.to(tl.float32)).to(Out.dtype.element_ty)
         resid = fine - (out.to(tl.float32) - coarse_term.to(tl.float32))
-    o_ptrs = Out + ((b * T + tok_q.to(tl.int64)[:, None]) * H + h) * HEAD_DIM + dims[None, :]
-    tl.store(o_ptrs, out, mask=row_ok[:, None])
+    o_ptrs = Out + ((b * T_out + tok_out[:, None]) * H + h) * HEAD_DIM + dims[None, :]
+    tl.store(o_ptrs, out, mask=out_ok[:, None])
     return resid
 
 
 @gpu_jit
 def sol_attn_fwd(
     Q, K, V, Out, Gate,
-    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse, Resid,
+    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse, Resid, Rows,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
     sgb, sgt, sgh, sgd,
     s_bias_b,
-    T, H, n_blocks, max_blocks,
+    T, T_out, H, n_blocks, max_blocks,
     qk_scale,                      # scale * log2(e): logits are kept in base 2
+    long_lo, long_n,               # query blocks that attend every key block (LONG_FIRST)
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,           # 64: the routing block, query rows per program, keys per step
     HAS_TAIL: tl.constexpr,
@@ -233,26 +294,33 @@ def sol_attn_fwd(
     TMA_LEN: tl.constexpr = False,    # KV_TMA with block_len (its dead rows hold zeros)
     WRITE_LSE: tl.constexpr = False,  # also store each row's base-2 log-sum-exp and the output's
                                       # rounding residual (for the backward)
+    ROWS: tl.constexpr = False,       # Q and Gate are read, Out written at the row table's tokens
+                                      # (Problem.rows; Out and Gate have T_out tokens, the rest T rows)
+    KV_ROWS: tl.constexpr = False,    # K and V are read through the row table too (pointer loads)
+    LONG_FIRST: tl.constexpr = False,  # the long_n query blocks from long_lo on run first (program_ids)
 ):
-    bh, b, h, plan_row, q, tok_q, row_ok, m_i, l_i, acc, count, idx_row = program_start(
-        Q, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
-        T, H, n_blocks, max_blocks, qk_scale, HEAD_DIM, BLOCK, HAS_TAIL)
+    bh, b, h, plan_row, q, tok_q, row_ok, src, q_live, m_i, l_i, acc, count, idx_row = program_start(
+        Q, Rows, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
+        T, H, n_blocks, max_blocks, qk_scale, long_lo, long_n, HEAD_DIM, BLOCK, HAS_TAIL, ROWS, LONG_FIRST)
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     bias_row = KeyBias + b * s_bias_b
     for step in range(0, count):
-        k, v, tok_k, live, ragged = key_block(K, V, idx_row, step, bh, b, h, skb, skt, skh, skd,
-                                              svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA,
-                                              TMA_LEN)
+        k, v, tok_k, live, ragged = key_rows(K, V, Rows, idx_row, step, bh, b, h, skb, skt, skh, skd,
+                                             svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA,
+                                             TMA_LEN, KV_ROWS)
         s = logits(q, k, tok_k, live, ragged, bias_row, qk_scale, HAS_BIAS, FOLD_SCALE)
         p, alpha, m_i, l_i = softmax_update(s, m_i, l_i, qk_scale, FOLD_SCALE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
-    resid = write_rows(Out, Gate, Coarse, acc, l_i, tok_q, row_ok, b, h, plan_row, T, H,
+    out_ok = row_ok
+    if ROWS:       # only live rows are written: a dead row has no token of its own
+        out_ok = q_live
+    resid = write_rows(Out, Gate, Coarse, acc, l_i, src, out_ok, b, h, plan_row, T_out, H,
                        sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
     if WRITE_LSE:
-        # the residual in the output's layout and dtype: output + residual is the unrounded
-        # attention output to about 2^-16 relative, which flash attention's delta needs
+        # the residual in the problem's rows (T of them; Resid's layout and dtype): output + residual
+        # is the unrounded attention output to about 2^-16 relative, which flash attention's delta needs
         r_ptrs = Resid + ((b * T + tok_q.to(tl.int64)[:, None]) * H + h) * HEAD_DIM + dims[None, :]
         tl.store(r_ptrs, resid.to(Resid.dtype.element_ty), mask=row_ok[:, None])
         # log2 of the softmax denominator over everything the row saw (exact keys and the tail
@@ -260,3 +328,20 @@ def sol_attn_fwd(
         # Layout (B * H, n * BLOCK): row plan_row * BLOCK + r, dead and past-T rows included.
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         tl.store(Lse + plan_row * BLOCK + rows, lse)
+
+
+@gpu_jit
+def tile_kv(K, V, Kt, Vt, Rows, BlockLen, skb, skt, skh, skd, svb, svt, svh, svd, T, H,
+            HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of rows of K and V (program ids: block, b*H + h) read at the row table's tokens into
+    the contiguous ``(B, T, H, D)`` copies Kt and Vt, zeros in its dead rows: what the TMA loads of
+    ``sol_attn_fwd`` read for a problem with a row table (``TMA_LEN``: dead rows hold zeros)."""
+    j = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    k, tok, row_ok, _src, _live = query_rows(K, Rows, BlockLen, j, b, h, skb, skt, skh, skd, T, HEAD_DIM, BLOCK, True)
+    v, tok, row_ok, _src, _live = query_rows(V, Rows, BlockLen, j, b, h, svb, svt, svh, svd, T, HEAD_DIM, BLOCK, True)
+    dst = ((b * T + tok.to(tl.int64)[:, None]) * H + h) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(Kt + dst, k, mask=row_ok[:, None])
+    tl.store(Vt + dst, v, mask=row_ok[:, None])
