@@ -92,18 +92,20 @@ def test_tau_mode_tail_with_empty_and_full_tails(fresh):
         assert rel_l2(got, want) < tolerance(torch.float32), tau
 
 
-def test_block_lists_split_partial_and_full_blocks():
-    """The BlockMask's lists hold exactly the plan's blocks (plus the tail slot's block),
-    ascending, partial (dead rows, tail) apart from full ones, at a width fixed by n."""
+def test_plan_block_mask_with_tail_slots_splits_partial_and_full_blocks():
+    """The BlockMask the backend passes to its compiled call (the plan's own, with tail slots)
+    holds exactly the plan's blocks plus the tail slot's block, ascending, partial (dead rows,
+    tail) apart from full ones, at a width fixed by n."""
     from solattn.routing import build_plan
     q, k, v = _inputs(torch.float32, seed=2, B=1, T=4 * BLOCK + 10, H=2)
     bl = torch.tensor([64, 30, 64, 64, 10], dtype=torch.int32)
     p = validate(q, k, v, topk_ratio=0.5, block_len=bl)
     plan = build_plan(p)
-    key = kernel.call_key(p, plan)
-    num, idx, fnum, fidx = kernel._block_lists(key, plan)
+    mask = plan.to_block_mask(tail_slots=kernel.call_key(p, plan).tail)
+    num, idx, fnum, fidx = mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices
     n = p.n
     assert idx.shape[-1] == n + 1 and fidx.shape[-1] == n + 1
+    assert mask.seq_lengths == (p.T, kernel.call_key(p, plan).key_len)
     partial = {1, 4}
     for b in range(1):
         for h in range(2):

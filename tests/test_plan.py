@@ -67,6 +67,28 @@ def test_block_mask_matches_create_block_mask(kw):
                            token_want)
 
 
+def test_block_mask_with_tail_slots_adds_one_slot_per_query_block():
+    """``to_block_mask(tail_slots=True)``: keys are the n blocks then ``ceil(n / 64)`` blocks of
+    slots; query token t sees the exact rule's keys and slot ``n * 64 + t // 64``, nothing else."""
+    T = 300
+    problem, plan = _plan(T=T, topk_ratio=0.4, block_len=torch.tensor([64, 40, 64, 17, 44], dtype=torch.int32))
+    n, keys = plan.n, (plan.n + 1) * 64
+    exact, got = plan.to_block_mask(), plan.to_block_mask(tail_slots=True)
+    assert got.seq_lengths == (T, keys) and got.BLOCK_SIZE == (64, 64)
+    own = torch.zeros(n, 1, dtype=torch.bool)
+    own[:, 0] = True                                             # n < 64: every slot in key block n
+    blocks = torch.cat([plan.dense_mask(), own.expand(plan.batch, plan.heads, n, 1)], dim=-1)
+    assert torch.equal(got.to_dense().bool(), blocks)
+    tq, tk = torch.arange(T)[:, None], torch.arange(keys)[None, :]
+    slot = tk - n * 64 == tq // 64
+    for bi, hi in [(0, 0), (1, 2)]:
+        b, h = torch.tensor(bi), torch.tensor(hi)
+        token_got = got.mask_mod(b, h, tq, tk)
+        assert torch.equal(token_got[:, :T], exact.mask_mod(b, h, tq, tk[:, :T]))
+        assert not token_got[:, T:n * 64].any()                  # rows past T are dead
+        assert torch.equal(token_got[:, n * 64:], slot[:, n * 64:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flex_attention_with_the_block_mask_is_sol_attn_without_tail(dtype):
     """``flex_attention`` (eager) with the plan's BlockMask computes ``sol_attn``'s exact branch:

@@ -143,7 +143,7 @@ class Plan:
             lists = self._derived["query_lists"] = (counts, idx.contiguous())
         return lists
 
-    def to_block_mask(self):
+    def to_block_mask(self, tail_slots: bool = False):
         """The exact branch's selection as a FlexAttention ``BlockMask`` over ``(B, H, T, T)``
         (``torch.nn.attention.flex_attention``): query token t attends key token u when u's block
         is listed for t's block and u is live (``u mod block_size < L_j``, ``block_len``). Listed
@@ -152,22 +152,47 @@ class Plan:
         ``flex_attention`` needs. The pooled tail, the coarse branch and ``key_bias`` are not
         part of it: ``flex_attention(q, k, v, block_mask=...)`` on ``(B, H, T, D)`` tensors is
         ``sol_attn`` with ``tail=False``, no ``key_bias`` and no ``coarse_gate`` (a row whose
-        selection holds no live key gives 0). Built on each call, without a host sync."""
+        selection holds no live key gives 0). Built on each call, without a host sync; the lists
+        have a fixed width, so a compiled kernel taking the mask never traces again for a new
+        selection.
+
+        ``tail_slots``: the keys are ``n`` blocks (``n * block_size`` rows, the last block's rows
+        past T dead) followed by ``ceil(n / block_size)`` blocks of slots, one per query block:
+        query block i also sees slot ``n * block_size + i`` (in key block ``n + i // block_size``,
+        listed as partial after its exact blocks) and no other. A backend puts the pooled tail
+        there, as one extra key per query block whose logit and value it supplies (the ``flex``
+        backend, through its ``score_mod``)."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        size, live = self.block_size, self.block_len.to(torch.int32)
+        size, n = self.block_size, self.n
+        live = self.block_len.to(torch.int32)
         selected = self.dense_mask()
         whole = live == size
+        keys = self.seq_len
+        if tail_slots:
+            extra = -(-n // size)
+            keys, first_slot = (n + extra) * size, n * size
+            own = torch.arange(n + extra, device=live.device) == n + _arange(n, live.device)[:, None] // size
+            selected = torch.cat([selected, own[:, n:].expand(*selected.shape[:2], n, extra)], dim=-1)
+            whole = torch.cat([whole, whole.new_zeros(extra)])
+            live = torch.cat([live, live.new_zeros(extra)])
 
-        def selected_live_keys(b, h, q_idx, kv_idx):
-            return selected[b, h, q_idx // size, kv_idx // size] & (kv_idx % size < live[kv_idx // size])
+            def selected_live_keys(b, h, q_idx, kv_idx):
+                j = kv_idx // size
+                in_block = torch.where(kv_idx < first_slot, kv_idx % size < live[j],
+                                       kv_idx - first_slot == q_idx // size)
+                return selected[b, h, q_idx // size, j] & in_block
+        else:
+            def selected_live_keys(b, h, q_idx, kv_idx):
+                return selected[b, h, q_idx // size, kv_idx // size] & (kv_idx % size < live[kv_idx // size])
 
-        # a BlockMask reads the number of key blocks from the width of its lists: n wide
-        partial = _indices_from_mask(selected & ~whole, width=self.n)
-        full = _indices_from_mask(selected & whole, width=self.n)
+        # a BlockMask reads the number of key blocks from the width of its lists: every key block
+        width = selected.shape[-1]
+        partial = _indices_from_mask(selected & ~whole, width=width)
+        full = _indices_from_mask(selected & whole, width=width)
         return BlockMask.from_kv_blocks(partial[0], partial[1].contiguous(), full[0], full[1].contiguous(),
                                         BLOCK_SIZE=size, mask_mod=selected_live_keys,
-                                        seq_lengths=(self.seq_len, self.seq_len))
+                                        seq_lengths=(self.seq_len, keys))
 
 
 def _describe(batch: int, heads: int, seq_len: int, head_dim: int, block_size: int, device, tail: bool,

@@ -2,15 +2,17 @@
 
 One compiled function per call shape (:class:`Key`) computes SPEC.md's output from the plan:
 
-- exact keys: the plan's ``kv_indices`` become the ``BlockMask`` (64 x 64 blocks). Blocks whose
-  rows are all live run without a mask ("full" blocks); blocks with dead rows (``block_len``,
-  the ragged last block) and the tail block are "partial" and run the ``mask_mod``.
+- exact keys: the plan's own ``BlockMask`` (:meth:`Plan.to_block_mask`, 64 x 64 blocks, the one
+  conversion of a plan in the project), built outside the compiled function and passed in.
+  Blocks whose rows are all live run without a mask ("full" blocks); blocks with dead rows
+  (``block_len``, the ragged last block) and the tail block are "partial" and run the ``mask_mod``.
 - ``key_bias`` is the ``score_mod`` ``score + bias[b, key]``.
 - the pooled tail enters the same softmax as extra keys, one per query block, rather than
   through a log-sum-exp merge (torch.compile's CPU flex_attention returns no log-sum-exp in
-  torch 2.13): the keys are extended by ``ceil(n / 64)`` blocks of zero keys, the value of
-  slot ``i`` is query block ``i``'s tail value, the ``mask_mod`` shows slot ``i`` only to query
-  block ``i``, and the ``score_mod`` gives it the logit ``tail_lse_i + scale q_t . m`` in fp32.
+  torch 2.13): the keys are extended by ``ceil(n / 64)`` blocks of zero keys (the mask's
+  ``tail_slots``), the value of slot ``i`` is query block ``i``'s tail value, the mask shows slot
+  ``i`` only to query block ``i``, and the ``score_mod`` gives it the logit
+  ``tail_lse_i + scale q_t . m`` in fp32.
   The exact keys are used uncentred: every exact logit of row t is then ``scale q_t . m``
   larger than SPEC.md's centred one, and the tail's logit carries the same shift, so the
   softmax is SPEC.md's. Each query block attends one extra key block (its tail slot's).
@@ -66,7 +68,6 @@ class Key:
     D: int
     bias_rows: int          # 0 (no key_bias), 1 or B
     tail: bool
-    masked: bool            # some exact block has dead rows, or the tail is on
     scale: float
 
     @property
@@ -85,21 +86,19 @@ class Key:
 
 
 def call_key(p: Problem, plan: Plan) -> Key:
-    tail = plan.tail_lse is not None
-    dead = p.block_len is not None or p.T % BLOCK != 0
     return Key(device=str(p.device), dtype=p.dtype, B=p.B, T=p.T, H=p.H, D=p.D,
-               bias_rows=0 if p.key_bias is None else p.key_bias.shape[0], tail=tail,
-               masked=tail or dead, scale=p.scale)
+               bias_rows=0 if p.key_bias is None else p.key_bias.shape[0], tail=plan.tail_lse is not None,
+               scale=p.scale)
 
 
-def _attend(key: Key, q, k, v, kv_num, kv_idx, full_num, full_idx, bias, live, tlog):
+def _attend(key: Key, q, k, v, mask, bias, tlog):
     """The traced computation: the fine branch, ``(B, T, H, D)`` of v's dtype, contiguous. ``q``, ``k``, ``v``
-    are ``(B, H, T, D)`` views; with the tail, ``k`` and ``v`` are the extended tensors and ``tlog``
-    the tail slot's ``(B, H, T)`` fp32 logit per query row (computed outside: the CPU kernel takes
-    only stored tensors into its ``score_mod``)."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    are ``(B, H, T, D)`` views; ``mask`` is the plan's ``BlockMask`` (with the tail slots when the
+    tail is on); with the tail, ``k`` and ``v`` are the extended tensors and ``tlog`` the tail
+    slot's ``(B, H, T)`` fp32 logit per query row (computed outside: the CPU kernel takes only
+    stored tensors into its ``score_mod``)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-    B, H, T, D = q.shape
     Tpad, scale = key.n * BLOCK, key.scale
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -109,14 +108,6 @@ def _attend(key: Key, q, k, v, kv_num, kv_idx, full_num, full_idx, bias, live, t
             score = torch.where(kv_idx >= Tpad, tlog[b, h, q_idx], score)
         return score
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        if not key.tail:
-            return live[kv_idx]
-        return torch.where(kv_idx < Tpad, live[kv_idx], kv_idx - Tpad == q_idx // BLOCK)
-
-    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
-                                    mask_mod=mask_mod if key.masked else None,
-                                    seq_lengths=(T, key.key_len), compute_q_blocks=False)
     mod = score_mod if (bias is not None or tlog is not None) else None
     options = dict(CUDA_KERNEL_OPTIONS) if q.device.type == "cuda" else None
     out = flex_attention(q, k, v, score_mod=mod, block_mask=mask, scale=scale, kernel_options=options)
@@ -178,34 +169,6 @@ def clear_cache() -> None:
         _ran.clear()
 
 
-def _block_lists(key: Key, plan: Plan) -> Tuple[torch.Tensor, ...]:
-    """``(kv_num, kv_idx, full_num, full_idx)`` of fixed width (``n``, plus one with the tail, so
-    that the compiled shapes never depend on the selection): the plan's blocks split into partial
-    ones (dead rows, the tail block) and full ones; without a mask all are partial and none full."""
-    B, H, n = plan.kv_num_blocks.shape
-    idx, num = plan.kv_indices, plan.kv_num_blocks
-    width = n + (1 if key.tail else 0)
-    idx = F.pad(idx, (0, width - idx.shape[-1]))
-    if key.tail:     # query block i's tail slot lives in key block n + i // 64 (after every exact one)
-        slot = n + torch.arange(n, device=idx.device, dtype=idx.dtype) // BLOCK
-        idx = idx.scatter(-1, num.long()[..., None], slot.expand(B, H, n)[..., None])
-        num = num + 1
-    if not key.masked:
-        return num, idx.contiguous(), None, None
-    used = torch.arange(width, device=idx.device) < num[..., None]
-    partial_block = torch.ones(n + key.tail_blocks, dtype=torch.bool, device=idx.device)
-    partial_block[:n] = plan.block_len < BLOCK
-    partial = used & partial_block[idx.long()]
-    full = used & ~partial
-    return (*_compact(idx, partial), *_compact(idx, full))
-
-
-def _compact(idx: torch.Tensor, keep: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The entries of ``idx`` where ``keep``, moved to the front of each row in their order."""
-    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
-    return keep.sum(-1, dtype=torch.int32), torch.gather(idx, -1, order).contiguous()
-
-
 def _keys_values(key: Key, p: Problem, plan: Plan, live_rows: Optional[torch.Tensor]):
     """``(q, k, v)`` as ``(B, H, T, D)`` (views where nothing needs writing). Dead rows of a caller's
     ``block_len`` are zeroed in copies, so nothing in them, not even a NaN, reaches the
@@ -234,14 +197,12 @@ def _keys_values(key: Key, p: Problem, plan: Plan, live_rows: Optional[torch.Ten
 def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
     """SPEC.md's output for ``p`` from ``plan`` through ``flex_attention`` (compiled per shape)."""
     key = call_key(p, plan)
-    n = p.n
     live_rows = None
-    if key.masked or p.block_len is not None:
+    if p.block_len is not None:
         lengths = plan.block_len.clamp(max=BLOCK)
         live_rows = (torch.arange(BLOCK, device=p.device)[None, :] < lengths[:, None]).reshape(-1)
-        live_rows = F.pad(live_rows, (0, key.key_len - n * BLOCK)) if key.key_len > n * BLOCK else live_rows
     q, k, v = _keys_values(key, p, plan, live_rows)
-    kv_num, kv_idx, full_num, full_idx = _block_lists(key, plan)
+    mask = plan.to_block_mask(tail_slots=key.tail)
     bias = None
     if p.key_bias is not None:
         bias = F.pad(p.key_bias.to(torch.float32), (0, key.key_len - p.T))
@@ -251,11 +212,11 @@ def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
         tlog = torch.einsum("bhtd,bhd->bht", q.float(), plan.key_mean[:, :, 0])     # dead rows of q are 0
         tlog = torch.addcmul(plan.tail_lse[:, :, blocks], tlog, torch.tensor(p.scale, device=p.device))
     fn = compiled_for(key)
-    args = (q, k, v, kv_num, kv_idx, full_num, full_idx, bias, live_rows, tlog)
     # forward only: the inputs of a training call's forward may still require grad, which the
-    # inference-only lowering refuses
+    # inference-only lowering refuses (the mask's tensors never do)
+    q, k, v, bias, tlog = (None if a is None else a.detach() for a in (q, k, v, bias, tlog))
     with _shape_limit():
-        out = fn(*(None if a is None else a.detach() for a in args))
+        out = fn(q, k, v, mask, bias, tlog)
     if plan.coarse is not None and p.coarse_gate is not None:     # SPEC.md: cast(fine) + gate * coarse
         blocks = torch.arange(p.T, device=p.device) // BLOCK
         add = p.coarse_gate.detach().float() * plan.coarse[:, :, blocks].transpose(1, 2)   # (B, T, H, D) fp32
