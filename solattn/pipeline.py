@@ -6,7 +6,9 @@ The two front doors differ only in their :class:`Route`: ``sol_attn`` (:class:`R
 caller's tokens as they are and selects with Sol-Attn's rule (:func:`solattn.routing.build_plan`);
 ``video_sparse_attn`` (:class:`VideoRoute`) tiles prefix segments and video cubes
 (:mod:`solattn.tiling`), selects with VSA's rule (:func:`solattn.routing.build_vsa_plan`) among
-the backends that consume a plan, and returns rows in raw token order.
+the backends that consume a plan, and returns rows in raw token order; a backend that reads the
+layout's row table (``Backend.row_table``) gets the caller's tensors and the table instead of
+tiled copies (:meth:`VideoRoute.prepare`).
 
 The front doors validate (metadata only, so it also runs while ``torch.compile`` traces with
 fake tensors) and call the op, or its computation :func:`forward` directly for a plain eager
@@ -184,7 +186,8 @@ class VideoRoute(Route):
         raw = validate(q, k, v, scale=self.call.scale, tail=False,
                        coarse_gate=None if gate is None else gate.expand(q.shape))
         problem = dataclasses.replace(raw, block_len=self.layout.block_len, rows=self.layout.gather,
-                                      sink_q=self.long_rows())
+                                      sink_q=self.long_rows(), cubes=(self.layout.num_prefix_blocks,
+                                                                      sum(self.call.segments), *self.call.grid))
         chosen = self.choose(problem, requested)
         if chosen.row_table and (self.given or (fused_plan_allowed(chosen, problem, want_lse)
                                                 and fused_plan_usable(problem))):

@@ -1,16 +1,17 @@
 """VSA's forward on the ``triton`` backend without tiled copies: the kernels read q, k, v and the
 gate and write the output in the caller's token order through the layout's row table
-(``Problem.rows``), run by Triton's CPU interpreter, against the float64 VSA-H3 oracle of
-test_video.py. Layouts with partial cubes, several prefix segments, B = 2 and a gate."""
+(``Problem.rows``), against the float64 VSA-H3 oracle of test_video.py: on the CPU through Triton's
+interpreter, and compiled on a CUDA GPU when there is one. Layouts with partial cubes, several
+prefix segments, B = 2 and a gate; k and v read in each of the kernel's three ways."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.profiler import ProfilerActivity, profile
 
 from solattn.testing import dense_gradient_error, rel_l2, tolerance, triton_interpretable
 
@@ -20,75 +21,113 @@ if not triton_interpretable():
 import solattn  # noqa: E402
 from solattn import pipeline, tiling  # noqa: E402
 from solattn.backends.triton import KernelConfig, TritonTuning, launch  # noqa: E402
+from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.config import tuning  # noqa: E402
 from solattn.routing import build_vsa_plan  # noqa: E402
 from solattn.routing.fused import FusedPlanTuning  # noqa: E402
 from test_video import make_inputs, oracle_vsa  # noqa: E402
 
-POINTER = KernelConfig(4, 3, tma=False)     # k and v through the row table too
-TMA = KernelConfig(4, 3, tma=True)          # k and v from the tiled copy of kernel.tile_kv
+#: how the forward reads k and v: through the row table (pointer loads), from the tiled copy of
+#: kernel.tile_kv (TMA loads), or each cube as one TMA box of the caller's tensors (kernel.cube_block)
+LOADS = {"pointer": TritonTuning(forward=KernelConfig(4, 3, tma=False)),
+         "tma-copy": TritonTuning(forward=KernelConfig(4, 3, tma=True)),
+         "tma-cubes": TritonTuning(forward=KernelConfig(4, 3, tma=True), cube_tma=True)}
 
-#: (grid, B, prefix segments, mode, k_vid): partial cubes on every axis, 1-3 prefix segments with
-#: partial tiles, B = 2
+#: (grid, B, prefix segments, mode, k_vid): partial cubes on every axis and 1-3 prefix segments with
+#: partial tiles, B = 2; whole cubes and tiles; no prefix
 CASES = [((3, 7, 6), 2, (5, 130), "exempt", 2),
-         ((5, 4, 9), 2, (70, 1, 64), "compete", 3)]
-#: every case with both ways of reading k and v; the first with pointer loads in the default run
-FORWARD_CASES = [pytest.param(*case, config, id=f"{case[0]}-P{case[2]}-{case[3]}-{name}",
-                              marks=() if (i, name) == (0, "pointer") else pytest.mark.slow)
-                 for i, case in enumerate(CASES) for config, name in ((POINTER, "pointer"), (TMA, "tma"))]
+         ((5, 4, 9), 2, (70, 1, 64), "compete", 3),
+         ((4, 4, 8), 1, (64,), "exempt", 1),
+         ((5, 6, 7), 1, (), "exempt", 3)]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+#: every case, way of loading and device; on the CPU the first case with pointer loads in the
+#: default run
+FORWARD_CASES = [pytest.param(*case, load, device, id=f"{case[0]}-P{case[2]}-{case[3]}-{load}-{device}",
+                              marks=() if (i, load, device) == (0, "pointer", "cpu") or device != "cpu"
+                              else pytest.mark.slow)
+                 for i, case in enumerate(CASES) for load in LOADS for device in DEVICES]
 
 
 @pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _interpret(monkeypatch, request):
+    """The kernels of CPU cases run in Triton's interpreter; CUDA cases compile them."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("device", "cpu") == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-class IndexOps(TorchDispatchMode):
-    """Records every aten indexing op (gather, scatter, index_select, index_fill, ...) that reads
-    or writes a tensor of at least ``numel`` elements: what tiling a q-sized tensor costs."""
+class IndexOps:
+    """Within the block, every aten indexing op (index_select, index_fill_, gather, scatter, ...)
+    that reads or writes a tensor of at least ``numel`` elements, by name in ``seen``: what tiling
+    a q-sized tensor costs. Recorded by the profiler, which sees the ops inside the custom op too
+    (a dispatch mode would see the op alone)."""
 
-    NAMES = {"index_select", "gather", "index", "index_put", "index_fill", "index_copy", "index_add",
-             "scatter", "scatter_add", "take", "masked_scatter"}
+    PREFIXES = ("aten::index", "aten::gather", "aten::scatter", "aten::take", "aten::masked_scatter")
 
     def __init__(self, numel: int):
-        super().__init__()
         self.numel, self.seen = numel, []
+        self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__.rstrip("_")
-        if name in self.NAMES and any(isinstance(t, torch.Tensor) and t.numel() >= self.numel
-                                      for t in tree_leaves((args, kwargs))):
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
+    def __enter__(self):
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.prof.__exit__(*exc)
+        self.seen = [e.name for e in self.prof.events() if e.name.startswith(self.PREFIXES)
+                     and any(isinstance(s, list) and s and math.prod(s) >= self.numel for s in e.input_shapes)]
 
 
 def _route(grid, segments, mode, k_vid, device):
     call = pipeline.Call(1.0, None, None, None, 0.0, False, 0, list(grid), k_vid, list(segments), mode)
-    return pipeline.VideoRoute(call, device)
+    return pipeline.VideoRoute(call, torch.device(device))
 
 
-@pytest.mark.parametrize("grid, B, segments, mode, k_vid, config", FORWARD_CASES)
-def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_vid, config):
-    q, k, v, gate = make_inputs(grid, B=B, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=7, gate=True)
+@pytest.mark.parametrize("grid, B, segments, mode, k_vid, load, device", FORWARD_CASES)
+def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_vid, load, device, monkeypatch):
+    tensors = make_inputs(grid, B=B, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=7, gate=True)
+    q, k, v, gate = (t.to(device) for t in tensors)
+    boxes = []              # the cube descriptors made: two per launch that loads cubes as boxes
+    real = tb._cube_descriptor
+    monkeypatch.setattr(tb, "_cube_descriptor", lambda *a: boxes.append(1) or real(*a))
     watch = IndexOps(q.numel() // 2)
-    with tuning(TritonTuning(forward=config)), watch:
+    with tuning(LOADS[load]), watch:
         out = solattn.video_sparse_attn(q, k, v, grid, topk=k_vid, gate=gate, backend="triton",
                                         prefix_len=list(segments), prefix_mode=mode)
     assert watch.seen == [], f"q-sized indexing ops in the forward: {watch.seen}"
-    want, gap = oracle_vsa(q, k, v, grid, k_vid, gate=gate, segments=segments, mode=mode)
+    want, gap = oracle_vsa(*tensors[:3], grid, k_vid, gate=tensors[3], segments=segments, mode=mode)
     assert gap > 1e-3, "test case has nearly tied tile scores; pick another seed"
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
-    assert rel_l2(out, want) < tolerance(torch.bfloat16)
+    assert rel_l2(out.cpu(), want) < tolerance(torch.bfloat16)
 
     # the same launch into a NaN-poisoned output: every token written (once: the result is the
     # public call's, bit for bit), the long prefix programs first
-    route = _route(grid, segments, mode, k_vid, q.device)
+    route = _route(grid, segments, mode, k_vid, device)
     problem, chosen = route.prepare(q, k, v, gate, None, None, "triton", False)
     assert chosen.name == "triton" and problem.rows is not None and problem.T == route.rows()
-    assert problem.sink_q == (0, route.layout.num_prefix_blocks)
-    poisoned = torch.full(q.shape, float("nan"), dtype=q.dtype)
-    launch(problem, route.plan(problem, fused=True), config=config, out=poisoned)
+    assert problem.sink_q == ((0, route.layout.num_prefix_blocks) if segments else None)
+    assert problem.cubes == (route.layout.num_prefix_blocks, sum(segments), *grid)
+    poisoned = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
+    with tuning(LOADS[load]):
+        launch(problem, route.plan(problem, fused=True), out=poisoned)
     assert torch.equal(poisoned, out)
+    assert len(boxes) == (4 if load == "tma-cubes" else 0)
+
+
+def test_cube_boxes_need_heads_that_merge_into_one_row():
+    """A cube is one box of a 5-D ``(B, t, h, w, H * D)`` descriptor: k and v whose heads and head
+    dims do not form one contiguous row per token take the tiled copy instead."""
+    grid, segments = (3, 7, 6), (5, 130)
+    q, k, v = make_inputs(grid, B=1, H=2, D=16, segments=segments, dtype=torch.bfloat16)
+    route = _route(grid, segments, "exempt", 2, q.device)
+    for kv, cube_tma, want in (((k, v), True, True), ((k, v), False, False),
+                               ((k.transpose(2, 3).contiguous().transpose(2, 3), v), True, False)):
+        problem, _ = route.prepare(q, *kv, None, None, None, "triton", False)
+        ops = tb.kernel_operands(problem, route.plan(problem, fused=True))
+        with tuning(TritonTuning(cube_tma=cube_tma)):
+            assert tb._cubes_ok(problem, ops) == want
+    with pytest.raises(TypeError, match="'cube_tma' received 1"):
+        TritonTuning(cube_tma=1)
 
 
 def test_fused_plan_reads_the_row_table_like_a_tiled_copy():
@@ -120,6 +159,11 @@ def test_tiled_copies_only_where_the_backend_or_a_backward_needs_them():
             assert problem.q is q and torch.equal(problem.rows, route.layout.gather)
         else:
             assert torch.equal(problem.q, tiling.to_tiled(q, route.layout))
+    # the instrument of the tests above sees the tiled copies a backend without a table gets
+    watch = IndexOps(q.numel() // 2)
+    with watch:
+        solattn.video_sparse_attn(q, k, v, grid, topk=k_vid, gate=gate, backend="sdpa", prefix_len=list(segments))
+    assert watch.seen.count("aten::index_select") >= 4, watch.seen      # q, k, v, gate (and out back)
 
 
 @pytest.mark.parametrize("segments, gate", [pytest.param((5, 130), True, marks=pytest.mark.slow), ((), False)])
