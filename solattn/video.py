@@ -108,10 +108,8 @@ def video_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,
     call = pipeline.Call(1.0, None if scale is None else float(scale), None, None, 0.0, False, 0, list(grid),
                          int(k_vid), list(segments), prefix_mode)
     route = pipeline.VideoRoute(call, q.device)
-    with torch.no_grad():
-        tq, tk, tv = (route.tiled(x) for x in (q, k, v))
-        problem = route.problem(tq, tk, tv, route.gate(gate, tq), None, None)
-        chosen = route.choose(problem, route.requested(backend or None))
+    with torch.no_grad():        # the backend's problem: tiled copies, or the caller's tensors and the row table
+        problem, chosen = route.prepare(q, k, v, gate, None, None, route.requested(backend or None), False)
         return route.build(problem, fused=getattr(chosen, "fused_plan", False))
 
 

@@ -190,6 +190,17 @@ def test_training_forward_reads_the_table_and_gradients_match_oracle(segments, g
         assert torch.isfinite(g).all() and rel_l2(g, w) < level, name
 
 
+def test_video_plan_reads_the_row_table_and_runs_as_the_call_does():
+    grid, segments, k_vid = (3, 7, 6), (5, 130), 2
+    q, k, v, gate = make_inputs(grid, B=1, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=7, gate=True)
+    kw = dict(topk=k_vid, gate=gate, prefix_len=list(segments), backend="triton")
+    watch = IndexOps(q.numel() // 2)
+    with watch:
+        p = solattn.video_plan(q, k, v, grid, **kw)
+    assert watch.seen == [] and p.seq_len == 8 * 64 and p.kv_indices.shape[-1] == p.n   # the fused plan
+    assert torch.equal(solattn.video_sparse_attn(q, k, v, grid, **kw, plan=p), solattn.video_sparse_attn(q, k, v, grid, **kw))
+
+
 def test_torch_plan_refuses_a_row_table():
     grid, segments = (3, 7, 6), (5, 130)
     q, k, v = make_inputs(grid, segments=segments, dtype=torch.bfloat16)
