@@ -108,6 +108,19 @@ class Route:
         problem = self.problem(tq, tk, tv, self.gate(gate, tq), key_bias, block_len)
         return problem, self.choose(problem, requested)
 
+    def backward_layout(self, backend: Backend, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor],
+                        key_bias: Optional[Tensor], block_len: Optional[Tensor], kept: bool):
+        """The layout of ``backend``'s own backward: ``(problem_of, inputs, to_rows, from_rows)``,
+        ``problem_of(q, k, v)`` the forward's problem on the given tensors, ``inputs`` q, k, v as it
+        takes them, ``to_rows`` / ``from_rows`` the caller's tensors (output, its gradient) to those
+        it reads and its gradients back. ``kept``: the forward's plan is at hand (no rebuild)."""
+        tq, tk, tv = (self.tiled(x) for x in (q, k, v))
+        tg = self.gate(gate, tq)
+
+        def problem_of(qd, kd, vd):
+            return self.problem(qd, kd, vd, tg, key_bias, block_len)
+        return problem_of, (tq, tk, tv), self.tiled, self.untiled
+
     def output(self, out: Tensor, problem: Problem) -> Tensor:
         """The backend's output of ``problem`` in the caller's rows (a problem with a row table
         wrote them there already)."""
@@ -180,19 +193,34 @@ class VideoRoute(Route):
         """No tiled copies where the chosen backend reads the layout's row table
         (``Backend.row_table``): a problem with ``rows``, the caller's tensors and ``block_len``,
         when the plan needs no tiled copy either: the caller's, or the fused plan, which reads the
-        table too (not where a backward rebuilds the coarse term through torch: the forward's plan
-        is then torch's as well, :func:`solattn.backward.fused_plan_allowed`). A backward tiles
-        the saved tensors itself; the forward's ``lse`` and ``resid`` are in the tiled rows."""
-        raw = validate(q, k, v, scale=self.call.scale, tail=False,
-                       coarse_gate=None if gate is None else gate.expand(q.shape))
-        problem = dataclasses.replace(raw, block_len=self.layout.block_len, rows=self.layout.gather,
-                                      sink_q=self.long_rows(), cubes=(self.layout.num_prefix_blocks,
-                                                                      sum(self.call.segments), *self.call.grid))
+        table too (:func:`solattn.backward.fused_plan_allowed`). The forward's ``lse`` and
+        ``resid`` are in the tiled rows."""
+        problem = self.row_problem(q, k, v, gate)
         chosen = self.choose(problem, requested)
         if chosen.row_table and (self.given or (fused_plan_allowed(chosen, problem, want_lse)
                                                 and fused_plan_usable(problem))):
             return problem, chosen
         return super().prepare(q, k, v, gate, key_bias, block_len, requested, want_lse)
+
+    def row_problem(self, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor]) -> Problem:
+        """The tiled layout's problem on the caller's tensors through the row table (``Problem.rows``)."""
+        raw = validate(q, k, v, scale=self.call.scale, tail=False,
+                       coarse_gate=None if gate is None else gate.expand(q.shape))
+        return dataclasses.replace(raw, block_len=self.layout.block_len, rows=self.layout.gather,
+                                   sink_q=self.long_rows(), cubes=(self.layout.num_prefix_blocks,
+                                                                   sum(self.call.segments), *self.call.grid))
+
+    def backward_layout(self, backend, q, k, v, gate, key_bias, block_len, kept):
+        """A backend that reads the row table reads the saved tensors through it in its backward
+        too (no tiled copies; gradients in the caller's token order), where the plan needs no tiled
+        copy either: the forward's was kept, or it is the caller's, or the fused plan rebuilds it."""
+        if backend.row_table:
+            def problem_of(qd, kd, vd):
+                return self.row_problem(qd, kd, vd, gate)
+
+            if kept or self.given or fused_plan_usable(problem_of(q, k, v)):
+                return problem_of, (q, k, v), _as_is, _as_is
+        return super().backward_layout(backend, q, k, v, gate, key_bias, block_len, kept)
 
     def requested(self, requested: Optional[str]) -> Optional[str]:
         backend = plan_backend(requested)
@@ -204,6 +232,10 @@ class VideoRoute(Route):
     def build(self, problem, fused=False):
         c = self.call
         return build_vsa_plan(problem, c.k_vid, self.layout.num_prefix_blocks, c.prefix_mode, fused=fused)
+
+
+def _as_is(x: Tensor) -> Tensor:
+    return x
 
 
 def plan_backend(requested: Optional[str]) -> Optional[Backend]:
@@ -319,17 +351,13 @@ def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, gr
                                              backend or None, required={4: "key_bias"}, settings=settings)
         return gq, gk, gv, gg if gate_grad else None, gb
 
-    tq, tk, tv = (route.tiled(x) for x in (q, k, v))
-    tg = route.gate(gate, tq)
-
-    def problem_of(qd, kd, vd):
-        return route.problem(qd, kd, vd, tg, key_bias, block_len)
-
-    gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, (tq, tk, tv), route.tiled(out), lse, resid,
-                                     route.tiled(grad_out), bias_grad=bias_grad, settings=settings, saved=plan)
-    gq, gk, gv = (route.untiled(g) for g in (gq, gk, gv))
+    problem_of, inputs, to_rows, from_rows = route.backward_layout(own, q, k, v, gate, key_bias, block_len,
+                                                                   plan is not None)
+    gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, inputs, to_rows(out), lse, resid,
+                                     to_rows(grad_out), bias_grad=bias_grad, settings=settings, saved=plan)
+    gq, gk, gv = (from_rows(g) for g in (gq, gk, gv))
     if gg is not None and gate_grad:                 # a constant (0-dim) gate sums its rows' gradients
-        gg = (gg.sum() if gate.dim() == 0 else route.untiled(gg)).to(gate.dtype)
+        gg = (gg.sum() if gate.dim() == 0 else from_rows(gg)).to(gate.dtype)
     else:
         gg = None
     if gb is not None:                       # (B or 1, T) summed over heads -> key_bias's shape

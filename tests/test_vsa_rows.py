@@ -169,7 +169,8 @@ def test_tiled_copies_only_where_the_backend_or_a_backward_needs_them():
 @pytest.mark.parametrize("segments, gate", [pytest.param((5, 130), True, marks=pytest.mark.slow), ((), False)])
 def test_training_forward_reads_the_table_and_gradients_match_oracle(segments, gate):
     """A training step's forward reads the row table too (its lse and residual in the tiled rows,
-    its plan the fused one, kept for the backward, which tiles what it saved)."""
+    its plan the fused one, kept for the backward, which reads the table as well: its ops are
+    counted in tests/test_vsa_backward.py)."""
     grid, k_vid = (3, 7, 6), 2
     tensors = make_inputs(grid, B=2, H=2, D=16, segments=segments, dtype=torch.float16, seed=4, gate=gate)
     leaves = [x.clone().requires_grad_(True) for x in tensors]
