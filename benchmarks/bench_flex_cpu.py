@@ -423,6 +423,9 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             f.write("\n".join(head + done + list(extra)) + "\n")
 
+    if args.probe:                 # first: seconds, and kept if a later row runs past an outer limit
+        done += probe_lines(args)
+        write()
     passes = [("quiet", False)] + ([] if args.no_loaded else [("loaded (a busy loop on one core)", True)])
     for title, loaded in passes:
         log(f"pass: {title}")
@@ -432,9 +435,6 @@ def main(argv=None) -> int:
         rows = measure(args, loaded, deadline, on_row)
         done += [f"## {title}", "", *_head(args), *(_line(r, args) for r in rows), "",
                  f"### model ({title})", "", *model_lines(rows, args)]
-        write()
-    if args.probe:
-        done += probe_lines(args)
         write()
     if args.profile:
         log("profile")
