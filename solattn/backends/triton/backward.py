@@ -48,7 +48,7 @@ from ...config import current_tuning
 from ...kernels import interpretable
 from ...kernels.runtime import compiled, gpu_jit
 from ...validation import BLOCK, Problem
-from .kernel import LOG2E, block_logits, key_rows, query_rows
+from .kernel import LOG2E, block_logits, key_rows, program_ids, query_rows
 from .tuning import BackwardConfig, TritonTuning
 
 
@@ -70,12 +70,12 @@ def sol_attn_bwd_dq(
     sgb, sgt, sgh, sgd,
     s_bias_b,
     T, T_out, H, n_blocks, max_blocks,
-    qk_scale, scale,
+    qk_scale, scale, long_lo, long_n,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, ROWS: tl.constexpr,
+    LONG_FIRST: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    bh = tl.program_id(1)
+    q_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     plan_row = bh.to(tl.int64) * n_blocks + q_block
@@ -171,12 +171,12 @@ def sol_attn_bwd_dkdv(
     sdb, sdt, sdh, sdd,
     s_bias_b,
     T, T_out, H, n_blocks, max_q_blocks,
-    qk_scale, scale,
+    qk_scale, scale, long_lo, long_n,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, POOLED: tl.constexpr, ROWS: tl.constexpr,
+    LONG_FIRST: tl.constexpr,
 ):
-    kv_block = tl.program_id(0)
-    bh = tl.program_id(1)
+    kv_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     plan_row = bh.to(tl.int64) * n_blocks + kv_block
@@ -255,6 +255,12 @@ def coarse_row_grads(problem: Problem, plan, means: torch.Tensor, dcoarse: torch
     return tuple(per_row(g, plan.block_len) for g in grads)
 
 
+def _block_range(blocks) -> Tuple[int, int]:
+    """``[lo, hi)`` as ``(lo, hi - lo)``; ``(0, 0)`` for None."""
+    lo, hi = blocks or (0, 0)
+    return lo, hi - lo
+
+
 @dataclass
 class FusedGrads:
     """What :func:`fused_backward` returns. Token-level gradients in the inputs' dtypes, the
@@ -310,6 +316,11 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         means = torch.empty((3, B, H, n, D), dtype=f32, device=dev) if ops.has_coarse else dummy
         qk_scale = problem.scale * LOG2E
         grid = (n, B * H)
+        # the long programs first (kernel.program_ids), as the forward runs them: query blocks that
+        # attend every key block (sink_q) and key blocks every query block keeps (sink_blocks; VSA's
+        # prefix tiles, sink_q, are both where they are exempt from the competition)
+        long_q = _block_range(problem.sink_q)
+        long_k = _block_range(problem.sink_blocks or problem.sink_q)
         kernel_dq = compiled(ops.interpret, sol_attn_bwd_dq)
         kernel_dkdv = compiled(ops.interpret, sol_attn_bwd_dkdv)
         kernel_dq[grid](
@@ -317,9 +328,9 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
             ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
             ops.key_bias, dtl, dtv, dco, dkm, means, ops.rows,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *gate.stride(),
-            ops.bias_stride_b, T, T_out, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale,
+            ops.bias_stride_b, T, T_out, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale, *long_q,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse,
-            ROWS=ops.has_rows,
+            ROWS=ops.has_rows, LONG_FIRST=0 < long_q[1] < n,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )
         pooled = coarse_row_grads(problem, plan, means, dco) if ops.has_coarse else (dummy,) * 3
@@ -327,9 +338,9 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
             q, k, v, dout, dq, dk, dv, dbias, lse, delta,
             q_num, q_idx, ops.block_len, ops.key_bias, *pooled, ops.rows,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            ops.bias_stride_b, T, T_out, H, n, q_idx.shape[-1], qk_scale, problem.scale,
+            ops.bias_stride_b, T, T_out, H, n, q_idx.shape[-1], qk_scale, problem.scale, *long_k,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_BIAS=ops.has_bias, BIAS_GRAD=bias_grad, POOLED=ops.has_coarse,
-            ROWS=ops.has_rows,
+            ROWS=ops.has_rows, LONG_FIRST=0 < long_k[1] < n,
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         )
         dt = problem.q.dtype
