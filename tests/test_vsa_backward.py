@@ -173,3 +173,22 @@ def test_rebuilt_plan_gives_the_kept_plans_gradients(monkeypatch):
     tiled = grads()
     for name, a, b, c in zip(("q", "k", "v", "gate"), kept, through_rows, tiled):
         assert torch.equal(a, b) and torch.equal(a, c), name
+
+
+def test_coarse_token_grads_of_a_row_table_problem_are_the_tiled_ones_in_token_order():
+    """The op layer's coarse-branch gradient (for a backend that hands ``Gradients.plan["coarse"]``
+    back) on a problem read through the row table equals that of the tiled copy, untiled."""
+    from solattn.backward import coarse_token_grads
+    grid, segments = (3, 7, 6), (5, 70)
+    q, k, v, gate = make_inputs(grid, B=2, segments=segments, dtype=torch.float32, seed=2, gate=True)
+    call = pipeline.Call(1.0, None, None, None, 0.0, False, 0, list(grid), 2, list(segments), "exempt")
+    route = pipeline.VideoRoute(call, q.device)
+    tq, tk, tv = (route.tiled(x) for x in (q, k, v))
+    tiled = route.problem(tq, tk, tv, route.gate(gate, tq), None, None)
+    plan = route.build(tiled)
+    dcoarse = torch.randn(plan.coarse.shape, generator=torch.Generator().manual_seed(3))
+    want = coarse_token_grads(tiled, plan, dcoarse)
+    got = coarse_token_grads(route.row_problem(q, k, v, gate), plan, dcoarse)
+    for a, b in zip(got, want):
+        assert a.shape == q.shape and b.abs().sum() > 0
+        torch.testing.assert_close(a, route.untiled(b), rtol=1e-5, atol=1e-6)
