@@ -118,9 +118,9 @@ def counted_launches(monkeypatch):
     return modes
 
 
-@pytest.mark.parametrize("gate_kind", ["tensor", "constant"])
+@pytest.mark.parametrize("gate_kind", ["tensor", "constant", "none"])
 def test_backward_reuses_the_plan_and_copies_nothing_q_sized(gate_kind, monkeypatch, counted_launches):
-    """With a coarse gate the backward takes the forward's plan (no selection ops, no plan built)
+    """The backward takes the forward's plan (no selection ops, no plan built; a gate changes nothing)
     and carries the coarse branch's gradient without autograd (no ``*_backward`` ops); its only
     q-sized tensors are the gradients' own buffers: the kernels read q, k, v, the gate, the output
     and its gradient through the layout's row table and write the gradients in the caller's token
@@ -131,7 +131,7 @@ def test_backward_reuses_the_plan_and_copies_nothing_q_sized(gate_kind, monkeypa
     grid, segments = (4, 6, 6), (40,)
     q, k, v = (t.requires_grad_(True) for t in make_inputs(grid, segments=segments, dtype=torch.float16, seed=7))
     gate = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).half().requires_grad_(True)
-    gate = gate if gate_kind == "tensor" else 0.5
+    gate = {"tensor": gate, "constant": 0.5, "none": None}[gate_kind]
     built = []
     real_build = pipeline.build_vsa_plan
     monkeypatch.setattr(pipeline, "build_vsa_plan", lambda *a, **kw: built.append(1) or real_build(*a, **kw))
