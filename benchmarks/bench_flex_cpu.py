@@ -331,7 +331,7 @@ def model_lines(rows, args) -> list:
     """Each row's FLOPs and modelled bytes, and what each contender achieved on them."""
     elt = torch.finfo(getattr(torch, args.dtype)).bits // 8
     out = ["| problem | GFLOP dense / sparse | MB dense / sdpa / fused | "
-           + " | ".join(f"{n} TFLOP/s, GB/s" for n in args.contenders) + " |",
+           + " | ".join(f"{n} GFLOP/s, GB/s" for n in args.contenders) + " |",
            "|" + "---|" * (3 + len(args.contenders))]
     for r in rows:
         if "skipped" in r:
@@ -339,7 +339,7 @@ def model_lines(rows, args) -> list:
         fd, fs = (flop_count(r["shape"], p) for p in (None, r["kept_pairs"]))
         mb = {m: bytes_moved(r["shape"], elt, r["kept_pairs"], m) for m in ("dense", "sdpa", "fused")}
         model = {"dense": "dense", "flex": "fused"}                  # flex: gather free; others gather
-        cells = [f"{(fd if n == 'dense' else fs) / r['ms'][n] / 1e9:.2f}, {mb[model.get(n, 'sdpa')] / r['ms'][n] / 1e6:.1f}"
+        cells = [f"{(fd if n == 'dense' else fs) / r['ms'][n] / 1e6:.0f}, {mb[model.get(n, 'sdpa')] / r['ms'][n] / 1e6:.1f}"
                  if n in r["ms"] else "-" for n in args.contenders]
         out.append(f"| {r['problem']} | {fd / 1e9:.0f} / {fs / 1e9:.1f} | "
                    f"{mb['dense'] / 1e6:.0f} / {mb['sdpa'] / 1e6:.0f} / {mb['fused'] / 1e6:.0f} | " + " | ".join(cells) + " |")
