@@ -143,7 +143,7 @@ class Plan:
             lists = self._derived["query_lists"] = (counts, idx.contiguous())
         return lists
 
-    def to_block_mask(self, tail_slots: bool = False):
+    def to_block_mask(self, tail_slots: bool = False, for_backward: bool = True):
         """The exact branch's selection as a FlexAttention ``BlockMask`` over ``(B, H, T, T)``
         (``torch.nn.attention.flex_attention``): query token t attends key token u when u's block
         is listed for t's block and u is live (``u mod block_size < L_j``, ``block_len``). Listed
@@ -161,7 +161,8 @@ class Plan:
         query block i also sees slot ``n * block_size + i`` (in key block ``n + i // block_size``,
         listed as partial after its exact blocks) and no other. A backend puts the pooled tail
         there, as one extra key per query block whose logit and value it supplies (the ``flex``
-        backend, through its ``score_mod``)."""
+        backend, through its ``score_mod``). ``for_backward=False`` skips the transposed (query)
+        lists that only a backward pass reads (a forward-only caller's saving)."""
         from torch.nn.attention.flex_attention import BlockMask
 
         size, n = self.block_size, self.n
@@ -192,7 +193,7 @@ class Plan:
         full = _indices_from_mask(selected & whole, width=width)
         return BlockMask.from_kv_blocks(partial[0], partial[1].contiguous(), full[0], full[1].contiguous(),
                                         BLOCK_SIZE=size, mask_mod=selected_live_keys,
-                                        seq_lengths=(self.seq_len, keys))
+                                        seq_lengths=(self.seq_len, keys), compute_q_blocks=for_backward)
 
 
 def _describe(batch: int, heads: int, seq_len: int, head_dim: int, block_size: int, device, tail: bool,

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ...routing import Plan
+from ...routing.stats import serial_cpu
 from ...validation import BLOCK, Problem
 
 #: compiled functions kept (least recently used dropped first)
@@ -202,7 +203,8 @@ def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
         lengths = plan.block_len.clamp(max=BLOCK)
         live_rows = (torch.arange(BLOCK, device=p.device)[None, :] < lengths[:, None]).reshape(-1)
     q, k, v = _keys_values(key, p, plan, live_rows)
-    mask = plan.to_block_mask(tail_slots=key.tail)
+    with serial_cpu(p.device.type == "cpu"):     # small block-level ops (see serial_cpu)
+        mask = plan.to_block_mask(tail_slots=key.tail, for_backward=False)
     bias = None
     if p.key_bias is not None:
         bias = F.pad(p.key_bias.to(torch.float32), (0, key.key_len - p.T))
