@@ -22,6 +22,8 @@ import solattn  # noqa: E402
 from solattn import pipeline, tiling  # noqa: E402
 from solattn.backends.triton import KernelConfig, TritonTuning, launch  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
+from solattn.backends.triton import kernel  # noqa: E402
+from solattn.kernels import runtime  # noqa: E402
 from solattn.config import tuning  # noqa: E402
 from solattn.routing import build_vsa_plan  # noqa: E402
 from solattn.routing.fused import FusedPlanTuning  # noqa: E402
@@ -87,9 +89,12 @@ def _route(grid, segments, mode, k_vid, device):
 def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_vid, load, device, monkeypatch):
     tensors = make_inputs(grid, B=B, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=7, gate=True)
     q, k, v, gate = (t.to(device) for t in tensors)
+    launched = []           # the kernels launched, by name
+    real = runtime.compiled
+    monkeypatch.setattr(runtime, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
     boxes = []              # the cube descriptors made: two per launch that loads cubes as boxes
-    real = tb._cube_descriptor
-    monkeypatch.setattr(tb, "_cube_descriptor", lambda *a: boxes.append(1) or real(*a))
+    real_box = tb._cube_descriptor
+    monkeypatch.setattr(tb, "_cube_descriptor", lambda *a: boxes.append(1) or real_box(*a))
     watch = IndexOps(q.numel() // 2)
     with tuning(LOADS[load]), watch:
         out = solattn.video_sparse_attn(q, k, v, grid, topk=k_vid, gate=gate, backend="triton",
@@ -112,6 +117,28 @@ def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_
         launch(problem, route.plan(problem, fused=True), out=poisoned)
     assert torch.equal(poisoned, out)
     assert len(boxes) == (4 if load == "tma-cubes" else 0)
+    # k and v copied for TMA loads (all rows, or the prefix tiles' beside the cube boxes), block_len's
+    # lengths carried with the listed indices where a block's length would be loaded in the key loop
+    copies = {"pointer": 0, "tma-copy": 2, "tma-cubes": 2 if segments else 0}[load]
+    assert launched.count("tile_kv") == copies and launched.count("len_codes") == (2 if load == "tma-copy" else 0)
+    assert launched.count("sol_attn_fwd") == 2
+
+
+def test_len_codes_carry_each_listed_block_with_its_dead_rows():
+    grid, segments = (3, 7, 6), (5, 130)
+    q, k, v = make_inputs(grid, B=2, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=7)
+    route = _route(grid, segments, "compete", 2, q.device)
+    problem, _ = route.prepare(q, k, v, None, None, None, "triton", False)
+    plan = route.plan(problem, fused=True)
+    ops = tb.kernel_operands(problem, plan)
+    codes = torch.full_like(ops.kv_idx, -1)
+    runtime.compiled(True, kernel.len_codes)[(ops.kv_num.numel(),)](
+        ops.kv_num, ops.kv_idx, ops.block_len, codes, codes.shape[-1], W=4, BLOCK=64)
+    listed = torch.arange(codes.shape[-1]) < ops.kv_num[..., None]
+    idx = ops.kv_idx.long()
+    assert (ops.block_len < 64).any() and listed.any() and not listed.all()
+    assert torch.equal(codes[listed], (idx | ((64 - ops.block_len[idx]) << 16))[listed].int())
+    assert (codes[~listed] == -1).all()             # nothing written past a row's count
 
 
 def test_cube_boxes_need_heads_that_merge_into_one_row():

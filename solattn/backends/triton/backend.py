@@ -175,6 +175,14 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
     kp_arg, vp_arg = k_arg, v_arg        # (unread without KV_CUBES)
     if cubes is not None:
         k_arg, v_arg = (_cube_descriptor(t, cubes, D) for t in (ops.k, ops.v))
+    # with TMA loads, block_len's lengths travel with the listed indices (kernel.len_codes): a
+    # length loaded in the key loop kept the TMA loads two stages deep instead of three
+    kv_idx = ops.kv_idx
+    len_code = use_tma and problem.block_len is not None and cubes is None and n < (1 << 16)
+    if len_code:
+        kv_idx = torch.empty_like(ops.kv_idx)
+        compiled(ops.interpret, kernel.len_codes)[(ops.kv_num.numel(),)](
+            ops.kv_num, ops.kv_idx, ops.block_len, kv_idx, kv_idx.shape[-1], W=BLOCK, BLOCK=BLOCK, num_warps=1)
     # the query blocks that attend every key block (sink_q; VSA's prefix tiles) are the long
     # programs: launched first (kernel.program_ids)
     long_lo, long_hi = problem.sink_q or (0, 0)
@@ -182,7 +190,7 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
     grid = (n, B * H)
     compiled(ops.interpret, kernel.sol_attn_fwd)[grid](
         q, k_arg, v_arg, out, ops.gate,
-        ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
+        ops.kv_num, kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
         ops.key_bias, ops.key_mean if lse is None else lse, out if resid is None else resid, ops.rows,
         kp_arg, vp_arg,
         *q.stride(), *k_strides, *v_strides, *ops.gate.stride(),
@@ -202,6 +210,7 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
         **({"ROWS": True, "KV_ROWS": not use_tma} if ops.has_rows else {}),
         **({"LONG_FIRST": True} if long_first else {}),
         **({"KV_CUBES": True, "PMAX": 1 << max(0, cubes[0] - 1).bit_length()} if cubes is not None else {}),
+        **({"LEN_CODE": True} if len_code else {}),
     )
     return out
 

@@ -131,7 +131,8 @@ def sol_attn_bwd_dq(
     for step in range(0, count):
         # the forward's pointer loads of the listed block (dead rows read as zeros, never keys)
         k, v, tok_k, live, _ = key_rows(K, V, Rows, idx_row, step, bh, b, h, skb, skt, skh, skd,
-                                        svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, False, False, ROWS)
+                                        svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, False, False, ROWS,
+                                        False)
         s = block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v))

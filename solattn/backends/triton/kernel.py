@@ -126,21 +126,21 @@ def program_start(Q, Rows, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, 
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_TAIL: tl.constexpr, ROWS: tl.constexpr,
                   LONG_FIRST: tl.constexpr):
     """Everything a program knows before its key loop, from its program ids (:func:`program_ids`):
-    ``(bh, b, h, plan_row, q, tok_q, row_ok, src, q_live, m, l, acc, count, idx_row)``, where
-    ``plan_row`` is the flat index of (b, h, query block) in the plan, ``src`` and ``q_live`` as
-    :func:`query_rows` gives them, ``count`` its number of listed key blocks and ``idx_row`` the
+    ``(bh, b, h, plan_row, q, tok_q, row_ok, q_live, m, l, acc, count, idx_row)``, where
+    ``plan_row`` is the flat index of (b, h, query block) in the plan, ``q_live`` as
+    :func:`query_rows` gives it, ``count`` its number of listed key blocks and ``idx_row`` the
     pointer to their indices."""
     q_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     plan_row = bh.to(tl.int64) * n_blocks + q_block
-    q, tok_q, row_ok, src, q_live = query_rows(Q, Rows, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
-                                               HEAD_DIM, BLOCK, ROWS)
+    q, tok_q, row_ok, _src, q_live = query_rows(Q, Rows, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
+                                                HEAD_DIM, BLOCK, ROWS)
     m_i, l_i, acc = start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
                                 HEAD_DIM, BLOCK, HAS_TAIL)
     count = tl.load(KvNum + plan_row)
     idx_row = KvIdx + plan_row * max_blocks
-    return bh, b, h, plan_row, q, tok_q, row_ok, src, q_live, m_i, l_i, acc, count, idx_row
+    return bh, b, h, plan_row, q, tok_q, row_ok, q_live, m_i, l_i, acc, count, idx_row
 
 
 @gpu_jit
@@ -158,20 +158,28 @@ def block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS: tl.constexpr):
 @gpu_jit
 def key_rows(K, V, Rows, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr, TMA_LEN: tl.constexpr,
-             KV_ROWS: tl.constexpr):
+             KV_ROWS: tl.constexpr, LEN_CODE: tl.constexpr):
     """The ``step``-th listed key block: ``(k, v, tok_k, live, ragged)``, ``live`` its key rows that
     are keys and ``ragged`` whether any is not (a block cut by T or by block_len). K and V are both
     asked for here, before the caller's softmax, which gives their loads the whole step to land
     (4 % faster at H3 on an H200 than loading V after the softmax). With KV_ROWS the live rows are
-    read at their tokens ``Rows[tok_k]`` (pointer loads: a block's rows are not contiguous)."""
+    read at their tokens ``Rows[tok_k]`` (pointer loads: a block's rows are not contiguous). With
+    LEN_CODE the list's entries are :func:`len_codes`: the block's dead rows travel with its index."""
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
-    kv_block = tl.load(KvIdx_row + step)
+    entry = tl.load(KvIdx_row + step)
+    kv_block = entry
+    if LEN_CODE:
+        kv_block = entry & 0xFFFF
     tok_k = (kv_block * BLOCK + rows).to(tl.int64)
     if KV_TMA and not TMA_LEN:
         # without block_len the only dead rows are past T, which the descriptor zero-fills
         live = tok_k < T
         ragged = kv_block * BLOCK + BLOCK > T
+    elif LEN_CODE:
+        blen = BLOCK - (entry >> 16)
+        live = rows < blen
+        ragged = blen < BLOCK
     else:
         blen = tl.load(BlockLen + kv_block)
         live = rows < blen                                   # dead rows are never keys
@@ -197,7 +205,7 @@ def key_block(K, V, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh
               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr, TMA_LEN: tl.constexpr):
     """:func:`key_rows` of a problem without a row table."""
     return key_rows(K, V, K, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
-                    HEAD_DIM, BLOCK, KV_TMA, TMA_LEN, False)
+                    HEAD_DIM, BLOCK, KV_TMA, TMA_LEN, False, False)
 
 
 @gpu_jit
@@ -348,8 +356,9 @@ def sol_attn_fwd(
                                       # video tokens (cube_block); KP, VP the prefix tiles' (B, n_prefix
                                       # * 64, H, D) descriptors over a tiled copy, PMAX >= n_prefix
     PMAX: tl.constexpr = 1,
+    LEN_CODE: tl.constexpr = False,   # KvIdx holds len_codes (block_len with TMA loads)
 ):
-    bh, b, h, plan_row, q, tok_q, row_ok, src, q_live, m_i, l_i, acc, count, idx_row = program_start(
+    bh, b, h, plan_row, q, tok_q, row_ok, q_live, m_i, l_i, acc, count, idx_row = program_start(
         Q, Rows, KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, sqb, sqt, sqh, sqd,
         T, H, n_blocks, max_blocks, qk_scale, long_lo, long_n, HEAD_DIM, BLOCK, HAS_TAIL, ROWS, LONG_FIRST)
     rows = tl.arange(0, BLOCK)
@@ -367,7 +376,7 @@ def sol_attn_fwd(
     for step in range(0, n_flat):
         k, v, tok_k, live, ragged = key_rows(KB, VB, Rows, idx_row, step, bh, b, h, skb, skt, skh, skd,
                                              svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA,
-                                             TMA_LEN, KV_ROWS)
+                                             TMA_LEN, KV_ROWS, LEN_CODE)
         m_i, l_i, acc = attend(q, k, v, tok_k, live, ragged, m_i, l_i, acc, bias_row, qk_scale,
                                HAS_BIAS, FOLD_SCALE)
     if KV_CUBES:
@@ -377,8 +386,11 @@ def sol_attn_fwd(
                                    HAS_BIAS, FOLD_SCALE)
 
     out_ok = row_ok
+    src = tok_q.to(tl.int64)
     if ROWS:       # only live rows are written: a dead row has no token of its own
         out_ok = q_live
+        # the tokens again rather than kept through the key loop (registers are what it runs short of)
+        src = tl.load(Rows + tok_q, mask=q_live, other=0)
     resid = write_rows(Out, Gate, Coarse, acc, l_i, src, out_ok, b, h, plan_row, T_out, H,
                        sgb, sgt, sgh, sgd, HEAD_DIM, HAS_COARSE)
     if WRITE_LSE:
@@ -408,3 +420,19 @@ def tile_kv(K, V, Kt, Vt, Rows, BlockLen, skb, skt, skh, skd, svb, svt, svh, svd
     dst = ((b * T + tok.to(tl.int64)[:, None]) * H + h) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     tl.store(Kt + dst, k, mask=row_ok[:, None])
     tl.store(Vt + dst, v, mask=row_ok[:, None])
+
+
+@gpu_jit
+def len_codes(KvNum, KvIdx, BlockLen, Codes, max_blocks, W: tl.constexpr, BLOCK: tl.constexpr):
+    """The listed key blocks of one plan row (program id) with their dead rows: ``index | (BLOCK -
+    live length) << 16`` (indices below 2 ** 16), what ``sol_attn_fwd`` reads with LEN_CODE. Read from
+    block_len inside the key loop, the length was a second load behind the index, and it made
+    Triton's pipeliner keep the TMA loads of k and v two stages deep instead of three."""
+    row = tl.program_id(0).to(tl.int64)
+    count = tl.load(KvNum + row)
+    for i0 in range(0, count, W):
+        i = i0 + tl.arange(0, W)
+        ok = i < count
+        idx = tl.load(KvIdx + row * max_blocks + i, mask=ok, other=0)
+        dead = BLOCK - tl.load(BlockLen + idx, mask=ok, other=BLOCK)
+        tl.store(Codes + row * max_blocks + i, idx | (dead << 16), mask=ok)
