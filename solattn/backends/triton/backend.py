@@ -9,16 +9,16 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from ...config import current_tuning, graph_recording
-from ...kernels import interpret_on, interpretable, interpreting
+from ...kernels import interpreting
 from ...kernels import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend, BackwardBuffers, Gradients
+from .operands import KernelOperands, kernel_operands  # noqa: F401 (KernelOperands: re-exported)
 from .tuning import DEFAULT_CONFIGS, KernelConfig, TritonTuning  # noqa: F401 (DEFAULT_CONFIGS: re-exported)
 
 #: environment variable that opts in to running the kernel on Intel XPUs
@@ -37,75 +37,6 @@ def _install_hint(device_type: str, platform: str) -> str:
                 "'pip install triton-windows' may work, untested with solattn)")
     name = "macOS" if platform == "darwin" else platform
     return f"triton not installed, and Triton publishes no wheels for {name} (Linux only)"
-
-
-@dataclass(frozen=True)
-class KernelOperands:
-    """What the forward and backward kernels read, prepared once per launch from a problem and
-    its plan: contiguous int32 / fp32 plan tensors (an unused field points at ``key_mean``, a
-    dummy the kernel never reads), the key bias as fp32 with its batch stride (0 when shared),
-    and the flags of the kernels' constexprs. Under the interpreter bf16 ``q``, ``k``, ``v`` and
-    ``gate`` are fp32 copies (:func:`solattn.kernels.interpretable`; interpreter runs are tiny)."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    gate: torch.Tensor
-    kv_num: torch.Tensor
-    kv_idx: torch.Tensor
-    block_len: torch.Tensor
-    key_mean: torch.Tensor
-    tail_lse: torch.Tensor
-    tail_value: torch.Tensor
-    coarse: torch.Tensor
-    key_bias: torch.Tensor
-    bias_stride_b: int
-    #: the row table (``Problem.rows``), int64; ``key_mean`` (never read) without one
-    rows: torch.Tensor
-    has_tail: bool
-    has_coarse: bool
-    has_bias: bool
-    has_rows: bool
-    interpret: bool
-
-
-def kernel_operands(problem: Problem, plan) -> KernelOperands:
-    """The :class:`KernelOperands` of ``problem`` run with ``plan``."""
-    f32 = torch.float32
-    B, H, n, D = problem.B, problem.H, problem.n, problem.D
-    key_mean = plan.key_mean.detach().to(f32).contiguous()
-    has_tail = problem.tail and plan.tail_lse is not None
-    has_coarse = problem.coarse_gate is not None
-    has_bias = problem.key_bias is not None
-    has_rows = problem.rows is not None
-    if has_rows and has_bias:
-        raise RuntimeError("triton backend: a problem with a row table (Problem.rows) has no key_bias")
-
-    def field(t, used):
-        return t.detach().to(f32).contiguous() if used else key_mean
-
-    coarse = field(plan.coarse, has_coarse)
-    if has_coarse and coarse.shape != (B, H, n, D):
-        raise RuntimeError(f"triton backend: plan.coarse has shape {tuple(coarse.shape)}, expected {(B, H, n, D)}")
-    if has_bias:
-        key_bias = problem.key_bias.to(f32).contiguous()
-        bias_stride_b = key_bias.stride(0) if key_bias.shape[0] > 1 else 0
-    else:
-        key_bias, bias_stride_b = key_mean, 0
-    q, k, v = problem.q, problem.k, problem.v
-    gate = problem.coarse_gate if has_coarse else q
-    interpret = interpret_on(q.device)
-    q, k, v, gate = interpretable(interpret, q, k, v, gate)
-    return KernelOperands(
-        q=q, k=k, v=v, gate=gate,
-        kv_num=plan.kv_num_blocks.to(torch.int32).contiguous(),
-        kv_idx=plan.kv_indices.to(torch.int32).contiguous(),
-        block_len=plan.block_len.to(torch.int32).contiguous(),
-        key_mean=key_mean,
-        tail_lse=field(plan.tail_lse, has_tail), tail_value=field(plan.tail_value, has_tail),
-        coarse=coarse, key_bias=key_bias, bias_stride_b=bias_stride_b,
-        rows=problem.rows.to(torch.int64).contiguous() if has_rows else key_mean,
-        has_tail=has_tail, has_coarse=has_coarse, has_bias=has_bias, has_rows=has_rows, interpret=interpret)
 
 
 def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,

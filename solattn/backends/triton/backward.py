@@ -49,6 +49,7 @@ from ...kernels import interpretable
 from ...kernels.runtime import compiled, gpu_jit
 from ...validation import BLOCK, Problem
 from .kernel import LOG2E, block_logits, key_rows, program_ids, query_rows
+from .operands import kernel_operands
 from .tuning import BackwardConfig, TritonTuning
 
 
@@ -289,7 +290,6 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
     reads it: ``out``, ``grad_out`` and the token gradients are in q's token order (``lse`` and
     ``resid`` in the problem's rows). ``config``: default the ``backward`` of the
     :class:`~.tuning.TritonTuning` in force. Runs under ``torch.no_grad``."""
-    from .backend import kernel_operands
     cfg = config or current_tuning(TritonTuning).backward
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
     T_out = problem.q.shape[1]            # the tensors' tokens: T, or fewer with a row table

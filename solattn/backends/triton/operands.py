@@ -1,0 +1,81 @@
+"""What the ``triton`` backend's kernels read: :class:`KernelOperands`, prepared once per launch
+from a problem and its plan, for the forward (``backend.py``) and the backward (``backward.py``).
+Plain torch: importing this module does not import Triton."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels import interpret_on, interpretable
+from ...validation import Problem
+
+
+@dataclass(frozen=True)
+class KernelOperands:
+    """What the forward and backward kernels read, prepared once per launch from a problem and
+    its plan: contiguous int32 / fp32 plan tensors (an unused field points at ``key_mean``, a
+    dummy the kernel never reads), the key bias as fp32 with its batch stride (0 when shared),
+    and the flags of the kernels' constexprs. Under the interpreter bf16 ``q``, ``k``, ``v`` and
+    ``gate`` are fp32 copies (:func:`solattn.kernels.interpretable`; interpreter runs are tiny)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gate: torch.Tensor
+    kv_num: torch.Tensor
+    kv_idx: torch.Tensor
+    block_len: torch.Tensor
+    key_mean: torch.Tensor
+    tail_lse: torch.Tensor
+    tail_value: torch.Tensor
+    coarse: torch.Tensor
+    key_bias: torch.Tensor
+    bias_stride_b: int
+    #: the row table (``Problem.rows``), int64; ``key_mean`` (never read) without one
+    rows: torch.Tensor
+    has_tail: bool
+    has_coarse: bool
+    has_bias: bool
+    has_rows: bool
+    interpret: bool
+
+
+def kernel_operands(problem: Problem, plan) -> KernelOperands:
+    """The :class:`KernelOperands` of ``problem`` run with ``plan``."""
+    f32 = torch.float32
+    B, H, n, D = problem.B, problem.H, problem.n, problem.D
+    key_mean = plan.key_mean.detach().to(f32).contiguous()
+    has_tail = problem.tail and plan.tail_lse is not None
+    has_coarse = problem.coarse_gate is not None
+    has_bias = problem.key_bias is not None
+    has_rows = problem.rows is not None
+    if has_rows and has_bias:
+        raise RuntimeError("triton backend: a problem with a row table (Problem.rows) has no key_bias")
+
+    def field(t, used):
+        return t.detach().to(f32).contiguous() if used else key_mean
+
+    coarse = field(plan.coarse, has_coarse)
+    if has_coarse and coarse.shape != (B, H, n, D):
+        raise RuntimeError(f"triton backend: plan.coarse has shape {tuple(coarse.shape)}, expected {(B, H, n, D)}")
+    if has_bias:
+        key_bias = problem.key_bias.to(f32).contiguous()
+        bias_stride_b = key_bias.stride(0) if key_bias.shape[0] > 1 else 0
+    else:
+        key_bias, bias_stride_b = key_mean, 0
+    q, k, v = problem.q, problem.k, problem.v
+    gate = problem.coarse_gate if has_coarse else q
+    interpret = interpret_on(q.device)
+    q, k, v, gate = interpretable(interpret, q, k, v, gate)
+    return KernelOperands(
+        q=q, k=k, v=v, gate=gate,
+        kv_num=plan.kv_num_blocks.to(torch.int32).contiguous(),
+        kv_idx=plan.kv_indices.to(torch.int32).contiguous(),
+        block_len=plan.block_len.to(torch.int32).contiguous(),
+        key_mean=key_mean,
+        tail_lse=field(plan.tail_lse, has_tail), tail_value=field(plan.tail_value, has_tail),
+        coarse=coarse, key_bias=key_bias, bias_stride_b=bias_stride_b,
+        rows=problem.rows.to(torch.int64).contiguous() if has_rows else key_mean,
+        has_tail=has_tail, has_coarse=has_coarse, has_bias=has_bias, has_rows=has_rows, interpret=interpret)
