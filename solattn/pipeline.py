@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from . import dispatch, tiling
-from .backends.base import Backend
+from .backends.base import Backend, Declined
 from .backward import (PLANS, backward_buffers, fake_fused, fake_grads, fused_grads, fused_plan_allowed,
                        grads_as_outputs, grads_from_outputs, own_backward, recompute_grads, run_for_backward)
 from .modes import autograd_dispatch, forward_settings, traced
@@ -272,10 +273,21 @@ def run(route: Route, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], k
     want = buffers is not None and buffers[0].numel() > 0
     problem, chosen = route.prepare(q, k, v, gate, key_bias, block_len, requested, want)
     plan = route.plan(problem, fused=fused_plan_allowed(chosen, problem, want)) if chosen.uses_plan else None
-    if buffers is None:
-        return route.output(chosen.forward(problem, plan), problem), None
-    out, fused = run_for_backward(chosen, problem, plan, *buffers)
-    return route.output(out, problem), fused
+    while True:
+        try:
+            if buffers is None:
+                return route.output(chosen.forward(problem, plan), problem), None
+            out, fused = run_for_backward(chosen, problem, plan, *buffers)
+            return route.output(out, problem), fused
+        except Declined as declined:         # the backend could not run it after all: the next one does
+            with dispatch.without_forced_backend():
+                chosen = dispatch.choose(problem)
+            warnings.warn(f"solattn: {declined}; the call ran on '{chosen.name}' instead", RuntimeWarning,
+                          stacklevel=2)
+            if not chosen.uses_plan:
+                plan = None
+            elif plan is None:
+                plan = route.plan(problem)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],

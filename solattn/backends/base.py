@@ -20,6 +20,13 @@ DIFFERENTIATION = ("recompute", "own")
 DeviceLike = Union[str, torch.device]
 
 
+class Declined(RuntimeError):
+    """Raised by a backend's ``forward`` for a call it accepted and then could not run (the flex
+    backend when its compiler fails on a shape). The op layer runs the call on the backend the
+    dispatcher chooses next, with a warning that gives this message; the backend makes sure it is
+    not chosen again for that call (so no loop)."""
+
+
 class BackwardBuffers(NamedTuple):
     """What the forward of a backend with its own backward keeps for that backward. The op layer
     allocates both when a backward may follow; the backend's :meth:`Backend.forward_for_backward`

@@ -23,13 +23,12 @@ import functools
 import os
 import shutil
 import threading
-import warnings
 from typing import Dict, List
 
 import torch
 
 from ...validation import Problem
-from ..base import ALL_FEATURES, Backend
+from ..base import ALL_FEATURES, Backend, Declined
 from .kernel import call_key, clear_cache, compiled_for, flex_forward, is_compiled, mark_compiled
 
 __all__ = ["FlexBackend", "XPU_OPT_IN", "CPU_SWITCH", "amx_usable", "automatic", "flex_forward",
@@ -185,15 +184,11 @@ class FlexBackend(Backend):
         return out
 
     def _fall_back(self, problem: Problem, plan, err: Exception) -> torch.Tensor:
-        """Record why compiling failed on this device type and run the call on the next backend."""
-        from ... import dispatch
+        """Record why compiling failed for this shape (flex is not offered it again) and decline
+        the call: the op layer runs it on the next backend."""
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         why = f"{type(err).__name__}: {first[:300]} (at {problem.describe()})"
         with _failures_lock:
             _failures[_shape(problem)] = why
-        with dispatch.without_forced_backend():
-            backend = dispatch.choose(problem)
-        warnings.warn(f"solattn: the flex backend could not compile this call ({why}); it ran on "
-                      f"'{backend.name}' instead, and flex is skipped for this shape from now on",
-                      RuntimeWarning, stacklevel=4)
-        return backend.forward(problem, plan if backend.uses_plan else None)
+        raise Declined(f"the flex backend could not compile this call ({why}), and flex is skipped for this "
+                       "shape from now on") from err
