@@ -514,9 +514,11 @@ def test_sdpa_tail_mask_per_row_only_where_the_residual_varies(gpu_masks, monkey
         per_row = torch.cat([g.rows for g in groups[0] if g.row_mask] + [torch.zeros(0, dtype=torch.long)])
         assert torch.equal(per_row.sort().values, want_rows), offset
         fractions[offset] = per_row.numel() / (B * H * n)
-        # each SDPA call: one mask row per query row on the per-row path, one per block elsewhere
-        assert sum(s[0] for s in shapes if s[2] == BLOCK) == per_row.numel(), offset
-        assert sum(s[0] for s in shapes if s[2] == 1) == B * H * n - per_row.numel(), offset
+        # each SDPA call (query blocks as heads): one mask row per query row on the per-row path,
+        # one per block elsewhere
+        assert {s[0] for s in shapes} == {1}, offset
+        assert sum(s[1] for s in shapes if s[2] == BLOCK) == per_row.numel(), offset
+        assert sum(s[1] for s in shapes if s[2] == 1) == B * H * n - per_row.numel(), offset
     assert fractions[0.0] < 0.25 and fractions[300.0] == 1.0, fractions
 
 
@@ -635,8 +637,9 @@ def test_sdpa_memory_model_sizes_chunks_within_the_budget():
 @pytest.mark.parametrize("tail", [False, True])
 def test_sdpa_query_rows_split_gives_the_same_output_and_gradients(monkeypatch, rows, tail):
     """SdpaTuning(query_rows=r): each query block runs as 64 / r items sharing its keys (SDPA sees
-    (nr, 64 / r, r, D) queries and stride-0 keys); output and gradients are the default's (tail
-    with one mask row per query row, key_bias, dead rows, a ragged last block)."""
+    (64 / r, nr, r, D) queries: the blocks as heads, and stride-0 keys); output and gradients are
+    the default's, whose calls take the blocks as heads of one batch, (1, nr, 64, D) (tail with
+    one mask row per query row, key_bias, dead rows, a ragged last block)."""
     from solattn.backends.sdpa import SdpaTuning, forward
     from solattn.config import tuning
     shapes = []
@@ -652,9 +655,11 @@ def test_sdpa_query_rows_split_gives_the_same_output_and_gradients(monkeypatch, 
     with tuning(SdpaTuning(query_rows=rows)):
         split = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
         out = solattn.sol_attn(*leaves, backend="sdpa", **kw)
-    assert (64 // rows, rows) in {s[1:3] for s in shapes}
+    assert (64 // rows, rows) in {(s[0], s[2]) for s in shapes}
     assert {s[2] for s in shapes} <= {rows, T - 64 * 9}                # the ragged block is not split
+    shapes.clear()
     default = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
+    assert {s[0] for s in shapes} == {1} and {s[2] for s in shapes} == {64, T - 64 * 9}
     live = torch.cat([torch.arange(64) < int(x) for x in bl])[:T]
     assert rel_l2(split[:, live], default[:, live]) < 1e-6
     want = solattn.sol_attn(q, k, v, backend="reference", **kw)

@@ -67,10 +67,7 @@ class _Layouts:
 def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.Tensor:
     """SPEC.md's output for ``p`` from ``plan`` through SDPA. ``(B, T, H, D)``, v's dtype.
 
-    On the CPU with one intra-op thread, but for the ops that take about 2 ms or more on one
-    thread (:class:`SdpaTuning`). Each op on several threads is an OpenMP parallel region, and on
-    a CPU whose cores other processes keep busy every region waits for its descheduled workers
-    (milliseconds each): on such a 2-core CPU, B=1 T=512 H=2 D=64 took 210 ms instead of 10."""
+    On the CPU: one intra-op thread but for the ops at or above :class:`SdpaTuning`'s thresholds."""
     with serial_cpu(p.device.type == "cpu"):
         return _forward(p, plan, nbytes)
 
@@ -294,20 +291,24 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
 
 def _sdpa(call: _Call, q, k, v, mask) -> torch.Tensor:
     """``(nr, Lq, D)``: one SDPA call, each query block (``q``: ``(nr, Lq, D)``) against its keys
-    (``k``, ``v``: ``(nr, L, D)``; ``mask``: ``(nr, 1, 1 or Lq, L)`` or None), as items of
-    ``tune.query_rows`` query rows sharing the block's keys (stride-0 views; see SdpaTuning)."""
+    (``k``, ``v``: ``(nr, L, D)``; ``mask``: ``(nr, 1, 1 or Lq, L)`` or None) as one head of
+    ``(1 or 64 / query_rows, nr, rows, D)`` views (items of ``tune.query_rows`` rows share keys,
+    stride-0; see SdpaTuning). As a batch of one-head items, PyTorch's CPU flash kernel ran 68 bf16
+    blocks x 960 keys (D=128) in 16 ms on 16 AMX cores, as heads 1.7 ms (one core: 16.6, 18.6)."""
     nr, Lq, D = q.shape
     L, rows = k.shape[1], call.tune.query_rows
     split = Lq // rows if rows < Lq and Lq % rows == 0 else 1
+    mask = None if mask is None else mask.transpose(0, 1)           # (1, nr, 1 or Lq, L)
     with parallel_cpu(4 * nr * Lq * L * D >= call.tune.parallel_flops):
         if split == 1:
-            return F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask,
-                                                  scale=call.p.scale)[:, 0]
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                                  scale=call.p.scale)[0]
         if mask is not None and mask.shape[2] > 1:
-            mask = mask.reshape(nr, split, rows, L)
-        o = F.scaled_dot_product_attention(q.reshape(nr, split, rows, D), k[:, None].expand(nr, split, L, D),
-                                           v[:, None].expand(nr, split, L, D), attn_mask=mask, scale=call.p.scale)
-    return o.reshape(nr, Lq, D)
+            mask = mask.reshape(nr, split, rows, L).transpose(0, 1)  # (split, nr, rows, L)
+        o = F.scaled_dot_product_attention(q.reshape(nr, split, rows, D).transpose(0, 1),
+                                           k[None].expand(split, nr, L, D), v[None].expand(split, nr, L, D),
+                                           attn_mask=mask, scale=call.p.scale)    # (split, nr, rows, D)
+    return o.transpose(0, 1).reshape(nr, Lq, D)
 
 
 def _all_keys_can_die(p: Problem) -> bool:

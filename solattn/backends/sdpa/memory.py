@@ -57,7 +57,8 @@ def chunk_bytes(rows: int, s: ChunkShape) -> int:
     """Peak bytes of one chunk of ``rows`` query blocks of shape ``s``.
 
     Per query block: gathered q, k, v and their int64 row (or block) numbers; SDPA's output
-    and its fp32 accumulators; the scores a math-fallback kernel materialises; with a mask, the
+    (query blocks as heads: row-major per query row across blocks) and its copy in block order,
+    its fp32 accumulators; the scores a math-fallback kernel materialises; with a mask, the
     fp32 mask and its copy in the mask dtype (one row per query block, or one per query row
     where the tail's per-row residual matters, plus the tail's fp32 query copy and row logits).
     ``packed_kv``: PyTorch's CPU flash kernel repacks bf16/fp16 keys and values for the matrix
@@ -65,7 +66,7 @@ def chunk_bytes(rows: int, s: ChunkShape) -> int:
     """
     Lq, keys, D = s.q_rows, s.keys, s.D
     index_rows = Lq + (2 * (s.key_blocks + 1) if s.blocks else 2 * keys)
-    per = (Lq * D * s.elt * 2                 # gathered q, SDPA output
+    per = (Lq * D * s.elt * 3                 # gathered q, SDPA output (heads), its copy in block order
            + 2 * s.gathered_keys * D * s.elt  # gathered k, v
            + 2 * index_rows * _INDEX          # row numbers and their temporaries
            + Lq * D * 4                       # fp32 accumulators inside SDPA
