@@ -702,7 +702,8 @@ def test_sdpa_on_cpu_runs_small_ops_on_one_thread_and_large_ones_on_all(monkeypa
     torch.set_num_threads(3)
     try:
         p = validate(q, k, v, topk_ratio=0.3, key_bias=torch.randn(300))
-        with tuning(SdpaTuning(parallel_flops=0) if large else SdpaTuning()):
+        small_serial = SdpaTuning(parallel_bytes=16 << 20, parallel_flops=1 << 26)
+        with tuning(SdpaTuning(parallel_flops=0) if large else small_serial):
             out = forward.sdpa_forward(p, build_plan(p))
         after = torch.get_num_threads()
     finally:
