@@ -14,9 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-    pytest.skip(f"interpreter tests need triton >= 3.9 (found {triton.__version__})", allow_module_level=True)
+from solattn.testing import triton_interpretable
+
+if not triton_interpretable():
+    pytest.skip("needs Triton >= 3.9 for its CPU interpreter", allow_module_level=True)
 
 import solattn  # noqa: E402
 from solattn import config  # noqa: E402

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-triton = pytest.importorskip("triton")
-if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-    pytest.skip(f"the interpreter needs triton >= 3.9 (found {triton.__version__})", allow_module_level=True)
+from solattn.testing import triton_interpretable
+
+if not triton_interpretable():
+    pytest.skip("needs Triton >= 3.9 for its CPU interpreter", allow_module_level=True)
 
 import solattn  # noqa: E402
 import solattn.kernels.runtime as runtime  # noqa: E402
