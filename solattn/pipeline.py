@@ -208,8 +208,7 @@ class VideoRoute(Route):
         raw = validate(q, k, v, scale=self.call.scale, tail=False,
                        coarse_gate=None if gate is None else gate.expand(q.shape))
         return dataclasses.replace(raw, block_len=self.layout.block_len, rows=self.layout.gather,
-                                   sink_q=self.long_rows(), cubes=(self.layout.num_prefix_blocks,
-                                                                   sum(self.call.segments), *self.call.grid))
+                                   sink_q=self.long_rows())
 
     def backward_layout(self, backend, q, k, v, gate, key_bias, block_len, kept):
         """A backend that reads the row table reads the saved tensors through it in its backward

@@ -60,10 +60,6 @@ class Problem:
     #: with ``Backend.row_table`` get such a problem (VSA's tiled layout without a gathered copy);
     #: None: row r is token r
     rows: Optional[torch.Tensor] = None
-    #: the row table's layout when it is VSA's, ``(prefix tiles, prefix tokens, t, h, w)``: that many
-    #: 64-row prefix tiles, then the 4x4x4 cubes of a ``(t, h, w)`` grid whose tokens follow the
-    #: prefix tokens in raster order; a backend may then load a cube as one box (triton's KV_CUBES)
-    cubes: Optional[Tuple[int, int, int, int, int]] = None
 
     @property
     def B(self) -> int:

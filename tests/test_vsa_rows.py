@@ -31,11 +31,10 @@ from solattn.routing import build_vsa_plan  # noqa: E402
 from solattn.routing.fused import FusedPlanTuning  # noqa: E402
 from test_video import make_inputs, oracle_vsa  # noqa: E402
 
-#: how the forward reads k and v: through the row table (pointer loads), from the tiled copy of
-#: kernel.tile_kv (TMA loads), or each cube as one TMA box of the caller's tensors (kernel.cube_block)
+#: how the forward reads k and v: through the row table (pointer loads), or from the tiled copy of
+#: kernel.tile_kv (TMA loads)
 LOADS = {"pointer": TritonTuning(forward=KernelConfig(4, 3, tma=False)),
-         "tma-copy": TritonTuning(forward=KernelConfig(4, 3, tma=True)),
-         "tma-cubes": TritonTuning(forward=KernelConfig(4, 3, tma=True), cube_tma=True)}
+         "tma-copy": TritonTuning(forward=KernelConfig(4, 3, tma=True))}
 
 #: (grid, B, prefix segments, mode, k_vid): partial cubes on every axis and 1-3 prefix segments with
 #: partial tiles, B = 2; whole cubes and tiles; no prefix
@@ -96,9 +95,6 @@ def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_
     launched = []           # the kernels launched, by name
     real = runtime.compiled
     monkeypatch.setattr(runtime, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
-    boxes = []              # the cube descriptors made: two per launch that loads cubes as boxes
-    real_box = tb._cube_descriptor
-    monkeypatch.setattr(tb, "_cube_descriptor", lambda *a: boxes.append(1) or real_box(*a))
     watch = IndexOps(q.numel() // 2)
     with tuning(LOADS[load]), watch:
         out = solattn.video_sparse_attn(q, k, v, grid, topk=k_vid, gate=gate, backend="triton",
@@ -115,15 +111,13 @@ def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_
     problem, chosen = route.prepare(q, k, v, gate, None, None, "triton", False)
     assert chosen.name == "triton" and problem.rows is not None and problem.T == route.rows()
     assert problem.sink_q == ((0, route.layout.num_prefix_blocks) if segments else None)
-    assert problem.cubes == (route.layout.num_prefix_blocks, sum(segments), *grid)
     poisoned = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
     with tuning(LOADS[load]):
         launch(problem, route.plan(problem, fused=True), out=poisoned)
     assert torch.equal(poisoned, out)
-    assert len(boxes) == (4 if load == "tma-cubes" else 0)
-    # k and v copied for TMA loads (all rows, or the prefix tiles' beside the cube boxes), block_len's
-    # lengths carried with the listed indices where a block's length would be loaded in the key loop
-    copies = {"pointer": 0, "tma-copy": 2, "tma-cubes": 2 if segments else 0}[load]
+    # k and v copied for TMA loads, block_len's lengths carried with the listed indices where a
+    # block's length would be loaded in the key loop
+    copies = {"pointer": 0, "tma-copy": 2}[load]
     assert launched.count("tile_kv") == copies and launched.count("len_codes") == (2 if load == "tma-copy" else 0)
     assert launched.count("sol_attn_fwd") == 2
 
@@ -143,22 +137,6 @@ def test_len_codes_carry_each_listed_block_with_its_dead_rows():
     assert (ops.block_len < 64).any() and listed.any() and not listed.all()
     assert torch.equal(codes[listed], (idx | ((64 - ops.block_len[idx]) << 16))[listed].int())
     assert (codes[~listed] == -1).all()             # nothing written past a row's count
-
-
-def test_cube_boxes_need_heads_that_merge_into_one_row():
-    """A cube is one box of a 5-D ``(B, t, h, w, H * D)`` descriptor: k and v whose heads and head
-    dims do not form one contiguous row per token take the tiled copy instead."""
-    grid, segments = (3, 7, 6), (5, 130)
-    q, k, v = make_inputs(grid, B=1, H=2, D=16, segments=segments, dtype=torch.bfloat16)
-    route = _route(grid, segments, "exempt", 2, q.device)
-    for kv, cube_tma, want in (((k, v), True, True), ((k, v), False, False),
-                               ((k.transpose(2, 3).contiguous().transpose(2, 3), v), True, False)):
-        problem, _ = route.prepare(q, *kv, None, None, None, "triton", False)
-        ops = tb.kernel_operands(problem, route.plan(problem, fused=True))
-        with tuning(TritonTuning(cube_tma=cube_tma)):
-            assert tb._cubes_ok(problem, ops) == want
-    with pytest.raises(TypeError, match="'cube_tma' received 1"):
-        TritonTuning(cube_tma=1)
 
 
 def test_fused_plan_reads_the_row_table_like_a_tiled_copy():

@@ -93,23 +93,17 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
     ops = kernel_operands(problem, plan)
     use_tma = cfg.tma and _tma_ok(problem, ops.interpret)
     q, k_arg, v_arg = ops.q, ops.k, ops.v
-    cubes = problem.cubes if ops.has_rows and use_tma and _cubes_ok(problem, ops) else None
-    if cubes is not None:                 # prefix tiles from a tiled copy, cubes as boxes
-        k_arg, v_arg = tiled_kv(ops, B, cubes[0] * BLOCK, H, D) if cubes[0] else (_zero_block(ops, D),) * 2
-    elif ops.has_rows and use_tma:        # TMA reads a block's rows contiguous: a tiled copy
+    if ops.has_rows and use_tma:          # TMA reads a block's rows contiguous: a tiled copy
         k_arg, v_arg = tiled_kv(ops, B, T, H, D)
     k_strides, v_strides = k_arg.stride(), v_arg.stride()
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D])
                         for t in (k_arg, v_arg))
-    kp_arg, vp_arg = k_arg, v_arg        # (unread without KV_CUBES)
-    if cubes is not None:
-        k_arg, v_arg = (_cube_descriptor(t, cubes, D) for t in (ops.k, ops.v))
     # with TMA loads, block_len's lengths travel with the listed indices (kernel.len_codes): a
     # length loaded in the key loop kept the TMA loads two stages deep instead of three
     kv_idx = ops.kv_idx
-    len_code = use_tma and problem.block_len is not None and cubes is None and n < (1 << 16)
+    len_code = use_tma and problem.block_len is not None and n < (1 << 16)
     if len_code:
         kv_idx = torch.empty_like(ops.kv_idx)
         compiled(ops.interpret, kernel.len_codes)[(ops.kv_num.numel(),)](
@@ -123,13 +117,11 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
         q, k_arg, v_arg, out, ops.gate,
         ops.kv_num, kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
         ops.key_bias, ops.key_mean if lse is None else lse, out if resid is None else resid, ops.rows,
-        kp_arg, vp_arg,
         *q.stride(), *k_strides, *v_strides, *ops.gate.stride(),
         ops.bias_stride_b,
         T, T_out, H, n, ops.kv_idx.shape[-1],
         problem.scale * kernel.LOG2E,
         long_lo, long_hi - long_lo,
-        *(cubes[:1] + cubes[2:] if cubes is not None else (0, 0, 0, 0)),
         HEAD_DIM=D, BLOCK=BLOCK,
         HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse, KV_TMA=use_tma,
         # the softmax may scale raw logits in its FMA only where nothing is added to them and a
@@ -140,41 +132,9 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
         **({"TMA_LEN": True} if use_tma and problem.block_len is not None else {}),
         **({"ROWS": True, "KV_ROWS": not use_tma} if ops.has_rows else {}),
         **({"LONG_FIRST": True} if long_first else {}),
-        **({"KV_CUBES": True, "PMAX": 1 << max(0, cubes[0] - 1).bit_length()} if cubes is not None else {}),
         **({"LEN_CODE": True} if len_code else {}),
     )
     return out
-
-
-def _cubes_ok(problem: Problem, ops: KernelOperands) -> bool:
-    """Whether the forward loads key cubes as boxes (``TritonTuning.cube_tma``): VSA's layout, and
-    k and v whose heads and head dims merge into one contiguous ``H * D`` row per token, 16-byte
-    aligned where the video tokens start."""
-    if problem.cubes is None or not current_tuning(TritonTuning).cube_tma:
-        return False
-    tokens = problem.cubes[1]
-    for t in (ops.k, ops.v):
-        es = t.element_size()
-        if t.stride(3) != 1 or t.stride(2) != t.shape[3] or (t.data_ptr() + tokens * t.stride(1) * es) % 16 \
-                or any((s * es) % 16 for s in t.stride()[:2]):
-            return False
-    return True
-
-
-def _cube_descriptor(x: torch.Tensor, cubes, D: int):
-    """A 5-D ``(B, t, h, w, H * D)`` TMA descriptor over the video tokens of ``x`` (``(B, T, H, D)``),
-    one ``[1, 4, 4, 4, D]`` box per (cube, head) (``kernel.cube_block``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    _, tokens, gt, gh, gw = cubes
-    B, _, H, _ = x.shape
-    st = x.stride(1)
-    return TensorDescriptor(x[:, tokens:], [B, gt, gh, gw, H * D], [x.stride(0), gh * gw * st, gw * st, st, 1],
-                            [1, 4, 4, 4, D])
-
-
-def _zero_block(ops: KernelOperands, D: int) -> torch.Tensor:
-    """One block of zeros, ``(1, 64, 1, D)``: the prefix descriptors' tensor where there is no prefix."""
-    return torch.zeros((1, BLOCK, 1, D), dtype=ops.k.dtype, device=ops.k.device)
 
 
 def tiled_kv(ops: KernelOperands, B: int, T: int, H: int, D: int):

@@ -8,9 +8,7 @@ tensor descriptors (``KV_TMA``, sm_90+). A problem with a row table
 (``Problem.rows``: VSA's tiled layout over the model's token order) reads its query
 rows and gate and writes its output at the table's tokens (``ROWS``), and its keys and
 values either the same way (``KV_ROWS``, pointer loads), or from a tiled copy that
-:func:`tile_kv` writes for TMA loads, which need a block's rows contiguous, or with
-``KV_CUBES`` straight from the caller's video tokens, one 4x4x4 TMA box per cube
-(:func:`cube_block`; the few prefix tiles from a tiled copy).
+:func:`tile_kv` writes for TMA loads, which need a block's rows contiguous.
 
 Two identities keep the inner loop as short as dense flash attention's:
 
@@ -209,39 +207,6 @@ def key_block(K, V, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh
 
 
 @gpu_jit
-def cube_block(K, V, KvIdx_row, step, bh, H, n_prefix, gt, gh, gw, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """The ``step``-th listed key block, a video cube (index ``n_prefix`` on), as one 4x4x4 box of
-    the 5-D TMA descriptors K and V over the caller's ``(B, t, h, w, H * D)`` video tokens:
-    ``(k, v, live, ragged)``, rows in the box's raster order, the order of the tiled layout for a
-    whole cube (a softmax does not mind the order of its keys). The box of a cube cut by the
-    grid's edge reaches past it, where TMA reads zeros: its live rows are those inside the grid.
-    No table is read: the cube's place follows from its index."""
-    rows = tl.arange(0, BLOCK)
-    c = tl.load(KvIdx_row + step) - n_prefix
-    nw = (gw + 3) // 4
-    nh = (gh + 3) // 4
-    t0 = c // (nw * nh) * 4
-    h0 = c // nw % nh * 4
-    w0 = c % nw * 4
-    live = (t0 + rows // 16 < gt) & (h0 + rows // 4 % 4 < gh) & (w0 + rows % 4 < gw)
-    ragged = (t0 + 4 > gt) | (h0 + 4 > gh) | (w0 + 4 > gw)
-    b = bh // H
-    d0 = bh % H * HEAD_DIM
-    k = K.load([b, t0, h0, w0, d0]).reshape(BLOCK, HEAD_DIM)
-    v = V.load([b, t0, h0, w0, d0]).reshape(BLOCK, HEAD_DIM)
-    return k, v, live, ragged
-
-
-@gpu_jit
-def prefix_steps(KvIdx_row, count, n_prefix, PMAX: tl.constexpr):
-    """How many of a row's ``count`` listed key blocks are prefix tiles (index below ``n_prefix``):
-    the list is ascending, so they come first, and there are at most ``n_prefix <= PMAX``."""
-    i = tl.arange(0, PMAX)
-    idx = tl.load(KvIdx_row + i, mask=i < count, other=n_prefix)
-    return tl.sum((idx < n_prefix).to(tl.int32), 0)
-
-
-@gpu_jit
 def raw_logits(q, k, live, ragged):
     """``q . k`` of one key block, dead keys -inf; the mask is paid only by a ragged block, behind
     one scalar branch (2 % of the kernel's time at H3 on an H200 when every block paid it)."""
@@ -328,7 +293,7 @@ def write_rows(Out, Gate, Coarse, acc, l_i, tok_out, out_ok, b, h, plan_row, T_o
 @gpu_jit
 def sol_attn_fwd(
     Q, K, V, Out, Gate,
-    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse, Resid, Rows, KP, VP,
+    KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias, Lse, Resid, Rows,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
@@ -337,7 +302,6 @@ def sol_attn_fwd(
     T, T_out, H, n_blocks, max_blocks,
     qk_scale,                      # scale * log2(e): logits are kept in base 2
     long_lo, long_n,               # query blocks that attend every key block (LONG_FIRST)
-    n_prefix, gt, gh, gw,          # KV_CUBES: prefix tiles, then the cubes of a (gt, gh, gw) grid
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,           # 64: the routing block, query rows per program, keys per step
     HAS_TAIL: tl.constexpr,
@@ -352,10 +316,6 @@ def sol_attn_fwd(
                                       # (Problem.rows; Out and Gate have T_out tokens, the rest T rows)
     KV_ROWS: tl.constexpr = False,    # K and V are read through the row table too (pointer loads)
     LONG_FIRST: tl.constexpr = False,  # the long_n query blocks from long_lo on run first (program_ids)
-    KV_CUBES: tl.constexpr = False,   # ROWS and K, V 5-D (B, gt, gh, gw, H * D) descriptors over the
-                                      # video tokens (cube_block); KP, VP the prefix tiles' (B, n_prefix
-                                      # * 64, H, D) descriptors over a tiled copy, PMAX >= n_prefix
-    PMAX: tl.constexpr = 1,
     LEN_CODE: tl.constexpr = False,   # KvIdx holds len_codes (block_len with TMA loads)
 ):
     bh, b, h, plan_row, q, tok_q, row_ok, q_live, m_i, l_i, acc, count, idx_row = program_start(
@@ -364,26 +324,12 @@ def sol_attn_fwd(
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     bias_row = KeyBias + b * s_bias_b
-    KB = K
-    VB = V
-    n_flat = count
-    if KV_CUBES:
-        # two loops, each with one kind of load: the prefix tiles, first in the ascending list,
-        # from KP and VP (the launch's flags are those of TMA loads with block_len), then the cubes
-        KB = KP
-        VB = VP
-        n_flat = prefix_steps(idx_row, count, n_prefix, PMAX)
-    for step in range(0, n_flat):
-        k, v, tok_k, live, ragged = key_rows(KB, VB, Rows, idx_row, step, bh, b, h, skb, skt, skh, skd,
+    for step in range(0, count):
+        k, v, tok_k, live, ragged = key_rows(K, V, Rows, idx_row, step, bh, b, h, skb, skt, skh, skd,
                                              svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, KV_TMA,
                                              TMA_LEN, KV_ROWS, LEN_CODE)
         m_i, l_i, acc = attend(q, k, v, tok_k, live, ragged, m_i, l_i, acc, bias_row, qk_scale,
                                HAS_BIAS, FOLD_SCALE)
-    if KV_CUBES:
-        for step in range(n_flat, count):
-            k, v, live, ragged = cube_block(K, V, idx_row, step, bh, H, n_prefix, gt, gh, gw, HEAD_DIM, BLOCK)
-            m_i, l_i, acc = attend(q, k, v, rows, live, ragged, m_i, l_i, acc, bias_row, qk_scale,
-                                   HAS_BIAS, FOLD_SCALE)
 
     out_ok = row_ok
     src = tok_q.to(tl.int64)

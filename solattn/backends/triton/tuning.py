@@ -97,18 +97,12 @@ class TritonTuning(Tuning):
     - ``tma_in_graphs``: a call captured into a CUDA graph (:mod:`solattn.graphs`) uses TMA loads
       at every size: their descriptors' host cost is paid once, at capture, and none per replay.
     - ``backward``: the backward kernels' :class:`BackwardConfig`.
-    - ``cube_tma``: where the forward takes TMA loads on ``video_sparse_attn``'s layout (a row
-      table), load each key cube straight from the caller's k and v as one 4x4x4 box of a 5-D
-      ``(B, t, h, w, H * D)`` descriptor (the prefix tiles from a tiled copy of their few rows)
-      instead of from a tiled copy of k and v (``kernel.tile_kv``: one read and one write of k and v
-      per call). Off until measured on a GPU against the copy.
     """
 
     forward: Optional[KernelConfig] = None
     tma_min_programs: int = 4096
     tma_in_graphs: bool = True
     backward: BackwardConfig = field(default_factory=BackwardConfig)
-    cube_tma: bool = False
 
     def __post_init__(self):
         if self.forward is not None and not isinstance(self.forward, KernelConfig):
@@ -121,8 +115,6 @@ class TritonTuning(Tuning):
         if not isinstance(self.tma_in_graphs, bool):
             raise TypeError(f"TritonTuning: argument 'tma_in_graphs' received {self.tma_in_graphs!r}; "
                             "allowed: True or False")
-        if not isinstance(self.cube_tma, bool):
-            raise TypeError(f"TritonTuning: argument 'cube_tma' received {self.cube_tma!r}; allowed: True or False")
         if not isinstance(self.backward, BackwardConfig):
             raise TypeError(f"TritonTuning: argument 'backward' received {type(self.backward).__name__}; "
                             "allowed: a BackwardConfig")
