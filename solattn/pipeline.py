@@ -279,8 +279,8 @@ def run(route: Route, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], k
             out, fused = run_for_backward(chosen, problem, plan, *buffers)
             return route.output(out, problem), fused
         except Declined as declined:         # the backend could not run it after all: the next one does
-            with dispatch.without_forced_backend():
-                chosen = dispatch.choose(problem)
+            with dispatch.without_forced_backend():        # the route's choice: VSA's and a given
+                chosen = route.choose(problem, None)       # plan's need a backend that runs plans
             warnings.warn(f"solattn: {declined}; the call ran on '{chosen.name}' instead", RuntimeWarning,
                           stacklevel=2)
             if not chosen.uses_plan:

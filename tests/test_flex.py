@@ -169,6 +169,37 @@ def test_forced_compile_failure_falls_back_and_is_reported(fresh, monkeypatch):
     flex._failures.clear()
 
 
+def test_a_declined_video_call_falls_back_to_a_backend_that_runs_plans(fresh, monkeypatch):
+    """A VSA call that flex declines (its compile failed) runs on the next backend that consumes
+    routing plans, never on one that would apply sol_attn's selection instead of VSA's: a
+    plan-less backend placed first on the CPU is passed over, as the automatic choice does."""
+    from solattn.backends.reference import ReferenceBackend
+
+    class Planless(ReferenceBackend):
+        name = "planlesstest"
+
+    monkeypatch.setenv(flex.CPU_SWITCH, "1")
+    kernel.clear_cache()
+    monkeypatch.setattr(kernel, "compile_fn", lambda key: _raise_compile_error)
+    solattn.register_backend(Planless(), priority={"cpu": 0})
+    try:
+        grid = (3, 4, 5)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 60, 2, 16, generator=g) for _ in range(3))
+        assert dispatch.priority("cpu")[0] == "planlesstest"
+        with pytest.warns(RuntimeWarning, match="could not compile .* ran on 'sdpa' instead"):
+            got = solattn.video_sparse_attn(q, k, v, grid, topk=1)
+        assert torch.equal(got, solattn.video_sparse_attn(q, k, v, grid, topk=1, backend="sdpa"))
+    finally:
+        dispatch.unregister("planlesstest")
+        kernel.clear_cache()
+        flex._failures.clear()
+
+
+def _raise_compile_error(*args):
+    raise RuntimeError("C++ compile error: simulated missing compiler")
+
+
 def test_reasons_without_compiler_or_flex(fresh, monkeypatch):
     """No C++ compiler (Windows without MSVC) or a torch without flex_attention: the reason is
     listed, and the automatic choice takes sdpa even where flex would come first."""
