@@ -10,7 +10,6 @@ treated as constant either way.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 from typing import Callable, List, Optional, Tuple
@@ -20,7 +19,7 @@ import torch
 from . import dispatch
 from .backends.base import Backend, BackwardBuffers, Gradients
 from .routing.coarse_grad import coarse_block_grads, spread_rows
-from .routing.stats import block_stats, live_token_mask
+from .routing.stats import block_stats
 from .validation import BLOCK, Problem
 
 Tensor = torch.Tensor
@@ -165,23 +164,12 @@ def fused_grads(backend: Backend, problem_of: Callable, make_plan: Callable, inp
 def coarse_token_grads(problem: Problem, plan, dcoarse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """The coarse branch's share of ``(dq, dk, dv)``, fp32 of q's shape, from the gradient of the
     plan's coarse term ``dcoarse`` ``(B, H, n, D)``, for a backend whose backward hands it back
-    instead of applying it (a fused backend applies it in its kernels). A problem with a row
-    table (``Problem.rows``) gets them in q's token order, as its other gradients are."""
+    instead of applying it (a fused backend applies it in its kernels). The problem's q, k, v
+    hold its rows (a backward never reads through a row table)."""
     with torch.no_grad():
-        rows = problem.rows
-        if rows is not None:                  # the block means of a tiled copy (dead rows masked)
-            problem = dataclasses.replace(problem, q=problem.q.index_select(1, rows),
-                                          k=problem.k.index_select(1, rows), v=problem.v.index_select(1, rows),
-                                          coarse_gate=None, rows=None, dead_rows_zero=False)
         stats = block_stats(problem)
         grads = coarse_block_grads(stats.qm, stats.km, stats.vm, dcoarse, problem.scale)
-        grads = [spread_rows(g, plan.block_len, problem.T) for g in grads]
-        if rows is None:
-            return tuple(grads)
-        live = live_token_mask(plan.block_len).flatten()[:problem.T]
-        tokens = rows[live]                   # the token of every live row: each token once
-        return tuple(g.new_empty(g.shape[0], tokens.shape[0], *g.shape[2:]).index_copy_(1, tokens, g[:, live])
-                     for g in grads)
+        return tuple(spread_rows(g, plan.block_len, problem.T) for g in grads)
 
 
 def grads_through_plan(plan, grads: Gradients, leaves) -> Tuple[Optional[Tensor], ...]:

@@ -175,20 +175,14 @@ def test_rebuilt_plan_gives_the_kept_plans_gradients(monkeypatch):
         assert torch.equal(a, b), name
 
 
-def test_coarse_token_grads_of_a_row_table_problem_are_the_tiled_ones_in_token_order():
-    """The op layer's coarse-branch gradient (for a backend that hands ``Gradients.plan["coarse"]``
-    back) on a problem read through the row table equals that of the tiled copy, untiled."""
-    from solattn.backward import coarse_token_grads
-    grid, segments = (3, 7, 6), (5, 70)
-    q, k, v, gate = make_inputs(grid, B=2, segments=segments, dtype=torch.float32, seed=2, gate=True)
+def test_triton_backward_refuses_a_row_table_problem():
+    """The backward kernels read the problem's rows as they are; a problem read through a row table
+    (the forward's layout) is refused before any work, naming what it received and what it takes."""
+    from solattn.backends.triton.backward import fused_backward
+    grid, segments = (2, 4, 4), (10,)
+    q, k, v = make_inputs(grid, segments=segments, dtype=torch.float32, seed=1)
     call = pipeline.Call(1.0, None, None, None, 0.0, False, 0, list(grid), 2, list(segments), "exempt")
     route = pipeline.VideoRoute(call, q.device)
-    tq, tk, tv = (route.tiled(x) for x in (q, k, v))
-    tiled = route.problem(tq, tk, tv, route.gate(gate, tq), None, None)
-    plan = route.build(tiled)
-    dcoarse = torch.randn(plan.coarse.shape, generator=torch.Generator().manual_seed(3))
-    want = coarse_token_grads(tiled, plan, dcoarse)
-    got = coarse_token_grads(route.row_problem(q, k, v, gate), plan, dcoarse)
-    for a, b in zip(got, want):
-        assert a.shape == q.shape and b.abs().sum() > 0
-        torch.testing.assert_close(a, route.untiled(b), rtol=1e-5, atol=1e-6)
+    problem = route.row_problem(q, k, v, None)
+    with pytest.raises(ValueError, match=r"row table \(Problem.rows\); allowed: a problem whose q, k, v hold"):
+        fused_backward(problem, None, q, q, q, q)

@@ -30,10 +30,10 @@ so the coarse branch needs neither a rebuilt plan nor an autograd graph. The tai
 sums are ``(B, H, n, ...)`` tensors: :func:`fused_backward` hands them to the caller (the op
 layer), which back-propagates them through the plan's differentiable block means and tail terms
 with torch autograd. Dead query rows (``block_len``) get zero gradients and send none to keys;
-dead keys get zero gradients. A problem with a row table (``Problem.rows``, VSA's tiles over the
-caller's token order) is read through it as the forward reads it: q, k, v, the gate, the output
-and its gradient at the rows' tokens, the gradients written there (live rows only); ``lse``, the
-residual and ``delta`` stay in the problem's rows.
+dead keys get zero gradients. The kernels read the problem's rows as they are: a problem with a
+row table (``Problem.rows``) is refused, VSA's backward takes tiled copies
+(:class:`solattn.pipeline.VideoRoute`: a row index loaded in both kernels' inner loops cost about
+a fifth of their time on an H200).
 """
 
 from __future__ import annotations
@@ -63,17 +63,17 @@ def lse_shape(B: int, T: int, H: int) -> Tuple[int, int, int]:
 def sol_attn_bwd_dq(
     Q, K, V, Out, Resid, DO, Gate, DQ, DGate, Lse, Delta,
     KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
-    DTailLse, DTailValue, DCoarse, DKeyMean, Means, Rows,
+    DTailLse, DTailValue, DCoarse, DKeyMean, Means,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
     sdb, sdt, sdh, sdd,
     sgb, sgt, sgh, sgd,
     s_bias_b,
-    T, T_out, H, n_blocks, max_blocks,
+    T, H, n_blocks, max_blocks,
     qk_scale, scale, long_lo, long_n,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr, ROWS: tl.constexpr,
+    HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr,
     LONG_FIRST: tl.constexpr,
 ):
     q_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
@@ -82,25 +82,19 @@ def sol_attn_bwd_dq(
     plan_row = bh.to(tl.int64) * n_blocks + q_block
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
-    # src: the rows' tokens in the caller's tensors (through the row table with ROWS)
-    q, tok_q, row_ok, src, q_live = query_rows(Q, Rows, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
-                                               HEAD_DIM, BLOCK, ROWS)
-    tok64 = tok_q.to(tl.int64)
-    out_ok = row_ok
-    if ROWS:                                          # with a row table a dead row has no token
-        out_ok = q_live
+    q, tok_q, row_ok, src, q_live = query_rows(Q, Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
+                                               HEAD_DIM, BLOCK, False)
     # dead rows' outputs are unspecified: their gradient is dropped here, so nothing flows from them
     do = tl.load(DO + b * sdb + h * sdh + src[:, None] * sdt + dims[None, :] * sdd,
                  mask=q_live[:, None], other=0.0)
     do32 = do.to(tl.float32)
-    out_off = ((b * T_out + src) * H + h) * HEAD_DIM              # contiguous (B, T_out, H, D)
-    res_off = ((b * T + tok64) * H + h) * HEAD_DIM                # the residual: the problem's rows
+    out_off = ((b * T + src) * H + h) * HEAD_DIM                  # contiguous (B, T, H, D)
     if HAS_COARSE:
         gate = tl.load(Gate + b * sgb + h * sgh + src[:, None] * sgt + dims[None, :] * sgd,
                        mask=q_live[:, None], other=0.0).to(tl.float32)
         coarse = tl.load(Coarse + plan_row * HEAD_DIM + dims)
         tl.store(DGate + out_off[:, None] + dims[None, :], (do32 * coarse[None, :]).to(DGate.dtype.element_ty),
-                 mask=out_ok[:, None])
+                 mask=row_ok[:, None])
         tl.store(DCoarse + plan_row * HEAD_DIM + dims, tl.sum(gate * do32, 0))
         # the block means of q, k, v over the live rows, which the coarse term's gradient needs
         # (Means: fp32 (3, B, H, n, D)); this program's rows are key block q_block's as well
@@ -119,7 +113,7 @@ def sol_attn_bwd_dq(
     o = tl.load(Out + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
     if HAS_COARSE:
         o = o - (gate * coarse[None, :]).to(Out.dtype.element_ty).to(tl.float32)
-    o += tl.load(Resid + res_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
+    o += tl.load(Resid + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
     delta = tl.sum(o * do32, 1)
     lse = tl.load(Lse + plan_row * BLOCK + rows)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)            # no finite term: every p is 0
@@ -131,8 +125,8 @@ def sol_attn_bwd_dq(
     bias_row = KeyBias + b * s_bias_b
     for step in range(0, count):
         # the forward's pointer loads of the listed block (dead rows read as zeros, never keys)
-        k, v, tok_k, live, _ = key_rows(K, V, Rows, idx_row, step, bh, b, h, skb, skt, skh, skd,
-                                        svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, False, False, ROWS,
+        k, v, tok_k, live, _ = key_rows(K, V, K, idx_row, step, bh, b, h, skb, skt, skh, skd,
+                                        svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, False, False, False,
                                         False)
         s = block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS)
         p = tl.math.exp2(s - lse[:, None])
@@ -160,22 +154,22 @@ def sol_attn_bwd_dq(
         tl.store(DTailLse + plan_row, tl.sum(dl_tail, 0))
         tl.store(DTailValue + plan_row * HEAD_DIM + dims, tl.sum(p_tail[:, None] * do32, 0))
         tl.store(DKeyMean + plan_row * HEAD_DIM + dims, tl.sum((dl_tail * scale)[:, None] * q32, 0))
-    tl.store(DQ + out_off[:, None] + dims[None, :], dq.to(DQ.dtype.element_ty), mask=out_ok[:, None])
+    tl.store(DQ + out_off[:, None] + dims[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @gpu_jit
 def sol_attn_bwd_dkdv(
     Q, K, V, DO, DQ, DK, DV, DBias, Lse, Delta,
-    QNum, QIdx, BlockLen, KeyBias, DQMean, DKMean, DVMean, Rows,
+    QNum, QIdx, BlockLen, KeyBias, DQMean, DKMean, DVMean,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
     sdb, sdt, sdh, sdd,
     s_bias_b,
-    T, T_out, H, n_blocks, max_q_blocks,
+    T, H, n_blocks, max_q_blocks,
     qk_scale, scale, long_lo, long_n,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, POOLED: tl.constexpr, ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, POOLED: tl.constexpr,
     LONG_FIRST: tl.constexpr,
 ):
     kv_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
@@ -186,11 +180,8 @@ def sol_attn_bwd_dkdv(
     dims = tl.arange(0, HEAD_DIM)
     tok_k = (kv_block * BLOCK + rows).to(tl.int64)
     live = rows < tl.load(BlockLen + kv_block)
-    src_k = tok_k                                     # the rows' tokens in K, V, DK, DV
-    if ROWS:
-        src_k = tl.load(Rows + tok_k, mask=live, other=0)
-    k = tl.load(K + b * skb + h * skh + src_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
-    v = tl.load(V + b * svb + h * svh + src_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
+    k = tl.load(K + b * skb + h * skh + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
+    v = tl.load(V + b * svb + h * svh + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
     if HAS_BIAS:
         bias = tl.load(KeyBias + b * s_bias_b + tok_k, mask=live, other=0.0)
         bias = tl.where(bias == float("-inf"), bias, tl.minimum(tl.maximum(bias, -1e30), 1e30))
@@ -206,11 +197,8 @@ def sol_attn_bwd_dkdv(
         q_block = tl.load(idx_row + step)
         tok_q = (q_block * BLOCK + rows).to(tl.int64)
         q_live = rows < tl.load(BlockLen + q_block)
-        src_q = tok_q
-        if ROWS:
-            src_q = tl.load(Rows + tok_q, mask=q_live, other=0)
-        q = tl.load(q_base + src_q[:, None] * sqt + dims[None, :] * sqd, mask=q_live[:, None], other=0.0)
-        do = tl.load(do_base + src_q[:, None] * sdt + dims[None, :] * sdd, mask=q_live[:, None], other=0.0)
+        q = tl.load(q_base + tok_q[:, None] * sqt + dims[None, :] * sqd, mask=q_live[:, None], other=0.0)
+        do = tl.load(do_base + tok_q[:, None] * sdt + dims[None, :] * sdd, mask=q_live[:, None], other=0.0)
         stat_row = (bh.to(tl.int64) * n_blocks + q_block) * BLOCK + rows
         lse = tl.load(Lse + stat_row)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -227,10 +215,8 @@ def sol_attn_bwd_dkdv(
         if BIAS_GRAD:
             dbias += tl.sum(ds_t, 1)
     dk = dk * scale
-    out_off = ((b * T_out + src_k) * H + h) * HEAD_DIM
+    out_off = ((b * T + tok_k) * H + h) * HEAD_DIM
     in_t = tok_k < T
-    if ROWS:                                          # with a row table a dead row has no token
-        in_t = live
     if POOLED:
         # the block means' gradients (coarse branch), one share per live row; the rows of this
         # block are also those of query block kv_block, whose dq the other kernel has written
@@ -286,14 +272,14 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
     """Gradients of one triton forward: ``out`` its ``(B, T, H, D)`` contiguous output, ``lse`` and
     ``resid`` what it wrote for the backward (:func:`solattn.backends.triton.backend.launch`),
     ``grad_out`` the output's gradient (any strides). ``plan`` is the forward's plan (the same
-    selection). A problem with a row table (``Problem.rows``) is read through it as the forward
-    reads it: ``out``, ``grad_out`` and the token gradients are in q's token order (``lse`` and
-    ``resid`` in the problem's rows). ``config``: default the ``backward`` of the
-    :class:`~.tuning.TritonTuning` in force. Runs under ``torch.no_grad``."""
+    selection); a problem with a row table (``Problem.rows``) is refused. ``config``: default the
+    ``backward`` of the :class:`~.tuning.TritonTuning` in force. Runs under ``torch.no_grad``."""
     cfg = config or current_tuning(TritonTuning).backward
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
-    T_out = problem.q.shape[1]            # the tensors' tokens: T, or fewer with a row table
     dev, f32 = problem.device, torch.float32
+    if problem.rows is not None:
+        raise ValueError("triton backward: received a problem with a row table (Problem.rows); allowed: a "
+                         "problem whose q, k, v hold its rows (video_sparse_attn's backward takes tiled copies)")
     with torch.no_grad():
         ops = kernel_operands(problem, plan)
         q, k, v, gate = ops.q, ops.k, ops.v, ops.gate
@@ -305,8 +291,8 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         # residual stay bf16 there, so the coarse term is rounded to bf16 as the forward did
         (dout,) = interpretable(ops.interpret, dout)
         cdt = q.dtype
-        dq, dk, dv = (torch.empty((B, T_out, H, D), dtype=cdt, device=dev) for _ in range(3))
-        dgate = torch.empty((B, T_out, H, D), dtype=gate.dtype, device=dev) if ops.has_coarse else dq
+        dq, dk, dv = (torch.empty((B, T, H, D), dtype=cdt, device=dev) for _ in range(3))
+        dgate = torch.empty((B, T, H, D), dtype=gate.dtype, device=dev) if ops.has_coarse else dq
         delta = torch.empty(lse_shape(B, T, H), dtype=f32, device=dev)
         dbias = torch.empty(lse_shape(B, T, H), dtype=f32, device=dev) if bias_grad else delta
         dummy = ops.key_mean
@@ -327,21 +313,21 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         kernel_dq[grid](
             q, k, v, out, resid, dout, gate, dq, dgate, lse, delta,
             ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
-            ops.key_bias, dtl, dtv, dco, dkm, means, ops.rows,
+            ops.key_bias, dtl, dtv, dco, dkm, means,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *gate.stride(),
-            ops.bias_stride_b, T, T_out, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale, *long_q,
+            ops.bias_stride_b, T, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale, *long_q,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse,
-            ROWS=ops.has_rows, LONG_FIRST=0 < long_q[1] < n,
+            LONG_FIRST=0 < long_q[1] < n,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )
         pooled = coarse_row_grads(problem, plan, means, dco) if ops.has_coarse else (dummy,) * 3
         kernel_dkdv[grid](
             q, k, v, dout, dq, dk, dv, dbias, lse, delta,
-            q_num, q_idx, ops.block_len, ops.key_bias, *pooled, ops.rows,
+            q_num, q_idx, ops.block_len, ops.key_bias, *pooled,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            ops.bias_stride_b, T, T_out, H, n, q_idx.shape[-1], qk_scale, problem.scale, *long_k,
+            ops.bias_stride_b, T, H, n, q_idx.shape[-1], qk_scale, problem.scale, *long_k,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_BIAS=ops.has_bias, BIAS_GRAD=bias_grad, POOLED=ops.has_coarse,
-            ROWS=ops.has_rows, LONG_FIRST=0 < long_k[1] < n,
+            LONG_FIRST=0 < long_k[1] < n,
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         )
         dt = problem.q.dtype
