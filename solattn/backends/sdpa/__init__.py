@@ -12,7 +12,7 @@ kernel runs.
   the exact logits ``scale q_t . k_u + bias_u`` keep the inputs' own precision. Only the pooled
   tail's logit carries the centroid, ``tail_lse_i + scale q_t . m``: the centroid rounded to the
   input dtype is the tail's key, and the rounding residual, which varies per query row, rides in
-  the mask, which then has one row per query row (:func:`.forward._append_tail`).
+  the mask, which then has one row per query row (:func:`.tail.append_tail`).
 - ``block_len``, ragged last blocks and ``key_bias`` become an additive key mask, only for the
   query blocks that need it. Finite entries are clamped to ``±1e30`` (fp16 masks: ``±65504``),
   so fused kernels that scale logits by ``log2(e)`` in fp32 never overflow them to ``-inf``.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -16,8 +15,9 @@ from ...routing import Plan, live_token_mask
 from ...routing.stats import parallel_cpu, serial_cpu
 from ...validation import BLOCK, Problem
 from . import masks
-from .grouping import Group, group_rows, needs_mask
+from .grouping import Group, group_rows, needs_mask, split_rows
 from .layout import BlockOutput, BlockTable, RowTable, Workspace, zero_dead
+from .tail import TailRows, append_tail, tail_rows
 from .tuning import SdpaTuning
 from .memory import (TAIL_ROWS, ChunkShape, fixed_bytes, layout_bytes, packs_kv, pairs_per_layout,
                      residual_tokens, rows_per_chunk, slice_bytes_per_row)
@@ -91,7 +91,7 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
                  out=RowTable(flat.view(B, T, H, D)),
                  indices=plan.kv_indices.reshape(B * H * n, -1).long(),
                  slot_bias=None if slot_bias is None else slot_bias.flatten(0, 1),
-                 slot_entries=(None if slot_bias is None or _all_keys_can_die(p)
+                 slot_entries=(None if slot_bias is None or masks.all_keys_can_die(p)
                                else slot_bias.flatten(0, 1).to(mdt)),
                  live=live_token_mask(plan.block_len) if p.block_len is not None else None,
                  mdt=mdt, work=Workspace(enabled=not grad), tune=current_tuning(SdpaTuning))
@@ -171,7 +171,7 @@ class _Slice:
     q_dead: Optional[torch.Tensor]     # (N, Lq) bool dead query rows (block_len), or None
     kv_idx: Optional[torch.Tensor]     # (N, count [+ 1]) block numbers in the run's BlockTables
     q_idx: Optional[torch.Tensor]      # (N,) block numbers of the query blocks in the run's layouts
-    tail: Optional["_TailRows"] = None
+    tail: Optional["TailRows"] = None
 
     def split(self, step: int) -> List["_Slice"]:
         """The slice cut into chunks of ``step`` rows: one ``split`` per table for the whole slice
@@ -179,18 +179,10 @@ class _Slice:
         chunk made small problems host bound). A slice of one chunk is returned as it is."""
         if self.N <= step:
             return [self]
-        chunks = _split_rows((self.rows, self.b, self.h, self.i, self.blocks, self.q_rows, self.out_rows,
+        chunks = split_rows((self.rows, self.b, self.h, self.i, self.blocks, self.q_rows, self.out_rows,
                               self.q_dead, self.kv_idx, self.q_idx), step)
         tails = self.tail.split(step) if self.tail is not None else [None] * len(chunks)
         return [_Slice(tables[0].shape[0], *tables, tail=tail) for tables, tail in zip(chunks, tails)]
-
-
-def _split_rows(tables, step: int) -> List[tuple]:
-    """Row tables (tensors with rows first, or None) cut into chunks of ``step`` rows: one tuple
-    of views (None stays None) per chunk, one ``split`` call per table."""
-    parts = [None if t is None else t.split(step) for t in tables]
-    count = len(next(p for p in parts if p is not None))
-    return [tuple(None if p is None else p[c] for p in parts) for c in range(count)]
 
 
 def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv: Optional[_Layouts]) -> _Slice:
@@ -209,7 +201,7 @@ def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv: Optio
     kv_idx = kv.k.block_index(rows // n, blocks, TAIL_ROWS if s.tail else 0) if kv is not None else None
     tail = None
     if s.tail and g.masked:
-        tail = _tail_rows(call, b, h, i, None if g.row_mask else call.tail_mean[rows])
+        tail = tail_rows(call, b, h, i, None if g.row_mask else call.tail_mean[rows])
     return _Slice(N=rows.shape[0], rows=rows, b=b, h=h, i=i, blocks=blocks, q_rows=q_rows,
                   out_rows=out_rows, q_dead=q_dead, kv_idx=kv_idx, q_idx=q_idx, tail=tail)
 
@@ -273,12 +265,12 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
                 base = _slot_rows(call, b, blocks, call.slot_entries)        # mask dtype, 0 / -inf
             elif call.slot_bias is not None:
                 base = _key_bias_rows(call, b, blocks)
-            k, v, mask, dead = _append_tail(call, q, k, v, base, sl.tail, zeroed=kv is not None)
+            k, v, mask, dead = append_tail(call, q, k, v, base, sl.tail, zeroed=kv is not None)
         elif call.slot_entries is not None:      # dead slots only: the entries as they are
             mask = _slot_rows(call, b, blocks, call.slot_entries)[:, None, None, :]
         else:
             base = _key_bias_rows(call, b, blocks)                           # (nr, count * 64) fp32
-            if _all_keys_can_die(p):
+            if masks.all_keys_can_die(p):
                 dead = torch.isneginf(base).all(dim=1)[:, None]              # (nr, 1)
             mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
     o = _sdpa(call, q, k, v, mask)                                       # (nr, Lq, D)
@@ -311,15 +303,6 @@ def _sdpa(call: _Call, q, k, v, mask) -> torch.Tensor:
     return o.transpose(0, 1).reshape(nr, Lq, D)
 
 
-def _all_keys_can_die(p: Problem) -> bool:
-    """Whether some query row can find every exact key masked (its output is then 0, SPEC.md): only
-    through ``key_bias``. Without it a key is masked only as a dead row (past ``block_len`` or T);
-    every block has a live row (``L_j`` is clamped to 1..64) and every query block keeps a key
-    block (``sol_attn`` forces its own, VSA keeps ``k_vid >= 1``). The chunks then skip the test
-    and, off the CPU, the select on the output."""
-    return p.key_bias is not None
-
-
 def _key_bias_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``(nr, count * 64)`` fp32 additive bias of the gathered key slots (zeros without a bias table)."""
     if call.slot_bias is None:
@@ -334,98 +317,6 @@ def _slot_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor, table: torch.
     n = call.p.n
     rows = blocks + b[:, None] * n if table.shape[0] > n else blocks
     return table.index_select(0, rows.reshape(-1)).view(nr, count * BLOCK)
-
-
-@dataclass
-class _TailRows:
-    """What the tail slots of some query blocks hold (see :func:`_append_tail`), sliced per chunk."""
-
-    m: torch.Tensor                    # (N, D) fp32 key centroid
-    m_key: torch.Tensor                # (N, D) the centroid rounded to the input dtype: the tail's key
-    value: torch.Tensor                # (N, D) tail value in v's dtype
-    lse: torch.Tensor                  # (N,) fp32 tail_lse
-    exact_entry: torch.Tensor          # (N,) mask dtype: every unbiased exact key's entry
-    entry: Optional[torch.Tensor]      # (N,) mask dtype: the tail's entry, when one per block
-
-    def split(self, step: int) -> List["_TailRows"]:
-        """Chunks of ``step`` rows (see :meth:`_Slice.split`)."""
-        return [_TailRows(*tables) for tables in
-                _split_rows((self.m, self.m_key, self.value, self.lse, self.exact_entry, self.entry), step)]
-
-
-def _tail_rows(call: _Call, b, h, i, block_residual: Optional[torch.Tensor]) -> _TailRows:
-    """The tail slots of query blocks ``(b, h, i)``. The exact keys are not centred, so the tail's
-    logit carries the centroid: ``tail_lse_i + scale q_t . m``. The key ``m`` rounded to the input
-    dtype gives the bulk of ``scale q_t . m`` (exact products, fp32 sums in the kernel); the
-    rounding residual ``r_t = scale q_t . (m - round(m))`` varies per query row ``t``. Where it
-    barely varies within the block, ``block_residual`` (``(N,)``, its mean over the block's live
-    rows) stands for it and the tail's entry is one per block; otherwise (None) :func:`_append_tail`
-    computes one per query row. Each query block's mask is re-centred by its rounded tail_lse (see
-    masks.finish_mask), so an unbiased exact key's entry is ``-round(tail_lse)``."""
-    plan, mdt = call.plan, call.mdt
-    m = plan.key_mean[b, h, 0]
-    lse = plan.tail_lse[b, h, i]
-    shift = masks.rounded_shift(lse, mdt)
-    entry = None
-    if block_residual is not None:
-        entry = masks.finish_mask((lse + block_residual - shift)[:, None], mdt)[:, 0]
-    return _TailRows(m=m, m_key=m.to(call.p.dtype), value=plan.tail_value[b, h, i].to(call.p.dtype), lse=lse,
-                     exact_entry=(-shift).to(mdt), entry=entry)
-
-
-def _append_tail(call: _Call, q, k, v, base: Optional[torch.Tensor], t: _TailRows, zeroed: bool):
-    """Fill the tail slots of a chunk: the centroid as key and the tail's mean value in the first,
-    masked padding after it (see :func:`_tail_rows`). ``base``: the exact keys' bias, ``(nr, E)``:
-    None (no bias, no dead key), without ``key_bias`` the dead-slot entries (0 / -inf, mask dtype,
-    from ``call.slot_entries``), with it the fp32 bias; ``zeroed``: the tail slots of k and v
-    already hold zeros. Returns k, v, the mask in the device's dtype and the all-masked query rows
-    (None: none can be)."""
-    p, mdt = call.p, call.mdt
-    nr = q.shape[0]
-    E = k.shape[1] - TAIL_ROWS                                               # exact key slots
-    grad = not call.work.enabled                 # this call records autograd (see sdpa_forward)
-    if grad:
-        # out of place: in-place writes into slices record CopySlices, whose backward calls
-        # as_strided, which has no batching rule when the gradients are vmapped (jacobian(
-        # vectorize=True), torch.func.jacrev); the gathered tensors stay untouched too
-        pad = k.new_zeros(nr, TAIL_ROWS - 1, k.shape[2])
-        k = torch.cat([k[:, :E], t.m_key[:, None].to(k.dtype), pad], dim=1)
-        v = torch.cat([v[:, :E], t.value[:, None].to(v.dtype), pad], dim=1)      # (k, v: one dtype)
-    else:
-        if not zeroed:
-            k[:, E:] = 0
-            v[:, E:] = 0
-        k[:, E] = t.m_key
-        v[:, E] = t.value
-    if t.entry is None:                          # one tail entry per query row
-        residual = (t.m - t.m_key.to(torch.float32))[:, :, None]
-        tail_logit = t.lse[:, None] + p.scale * torch.bmm(q.to(torch.float32), residual)[..., 0]  # (nr, Lq)
-        tail_entry = masks.finish_mask(tail_logit - masks.rounded_shift(t.lse, mdt)[:, None], mdt)
-    else:
-        tail_logit = t.lse[:, None]              # -inf exactly where the block's entry is
-        tail_entry = t.entry[:, None]
-    mask_rows = tail_entry.shape[1]
-    dead = None
-    if base is None:                             # every exact entry is -round(tail_lse)
-        exact = t.exact_entry[:, None, None]
-    elif not _all_keys_can_die(p):               # base: call.slot_entries' 0 (live) / -inf (dead)
-        # in the mask dtype; the live entries are -round(tail_lse), as above
-        # (an add, then a copy into the view: plain ops every device runs, rather than out= into a
-        # strided view, which MPS and XPU were not tested with here)
-        exact = base[:, None, :] + t.exact_entry[:, None, None]
-    else:                                        # key_bias: some row may lose every exact key
-        exact = masks.finish_mask(base, mdt, row_shift=t.lse)[:, None, :]
-        dead = torch.isneginf(base).all(dim=1)[:, None] & torch.isneginf(tail_logit)  # (nr, mask_rows)
-    if grad:                                     # out of place, as k and v above
-        exact = exact.to(mdt).expand(nr, mask_rows, E)
-        mask = torch.cat([exact, tail_entry.to(mdt)[..., None],
-                          exact.new_full((nr, mask_rows, TAIL_ROWS - 1), -math.inf)], dim=2)
-        return k, v, mask[:, None], dead
-    mask = call.work.empty("mask", (nr, mask_rows, E + TAIL_ROWS), mdt, q.device)
-    mask[:, :, :E] = exact
-    mask[:, :, E] = tail_entry
-    mask[:, :, E + 1:] = -math.inf
-    return k, v, mask[:, None], dead
 
 
 def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nbytes: int,

@@ -57,3 +57,11 @@ def group_rows(counts: torch.Tensor, masked: Optional[torch.Tensor], ragged: Opt
         groups.append(Group(count=k // 8, masked=bool(k & 2), ragged=bool(k & 1), rows=rows,
                             row_mask=bool(k & 4)))
     return groups
+
+
+def split_rows(tables, step: int) -> List[tuple]:
+    """Row tables (tensors with rows first, or None) cut into chunks of ``step`` rows: one tuple
+    of views (None stays None) per chunk, one ``split`` call per table."""
+    parts = [None if t is None else t.split(step) for t in tables]
+    count = len(next(p for p in parts if p is not None))
+    return [tuple(None if p is None else p[c] for p in parts) for c in range(count)]

@@ -114,3 +114,12 @@ def tail_residuals(p: Problem, plan: Plan, step: int):
             spread = torch.where(lv, (r - mu[..., None]).abs(), torch.zeros((), device=dev)).amax(-1)
             per_row[:, :, j0:j1] = ~(spread <= ROW_MASK_EPS)         # NaN or inf: per row
     return torch.cat(means, dim=2), per_row
+
+
+def all_keys_can_die(p: Problem) -> bool:
+    """Whether some query row can find every exact key masked (its output is then 0, SPEC.md): only
+    through ``key_bias``. Without it a key is masked only as a dead row (past ``block_len`` or T);
+    every block has a live row (``L_j`` is clamped to 1..64) and every query block keeps a key
+    block (``sol_attn`` forces its own, VSA keeps ``k_vid >= 1``). The chunks then skip the test
+    and, off the CPU, the select on the output."""
+    return p.key_bias is not None
