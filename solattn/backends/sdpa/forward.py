@@ -16,7 +16,7 @@ from ...routing.stats import parallel_cpu, serial_cpu
 from ...validation import BLOCK, Problem
 from . import masks
 from .grouping import Group, group_rows, needs_mask, split_rows
-from .layout import BlockOutput, BlockTable, RowTable, Workspace, zero_dead
+from .layout import BlockTable, QueryBlocks, RowTable, Workspace, zero_dead
 from .tail import TailRows, append_tail, tail_rows
 from .tuning import SdpaTuning
 from .memory import (TAIL_ROWS, ChunkShape, fixed_bytes, layout_bytes, packs_kv, pairs_per_layout,
@@ -56,12 +56,12 @@ class _Call:
 @dataclass
 class _Layouts:
     """The block layouts of one run of (batch, head) pairs: keys and values, and in inference the
-    queries and the output (with autograd recording, None: rows of q and of the output)."""
+    queries in the chunks' order, which become the output (with autograd recording, None: rows
+    of q and of the output)."""
 
     k: BlockTable
     v: BlockTable
-    q: Optional[BlockTable] = None
-    out: Optional[BlockOutput] = None
+    q: Optional[QueryBlocks] = None
 
 
 def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.Tensor:
@@ -107,10 +107,10 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
                         None if masked is None else masked.reshape(-1),
                         None if T % BLOCK == 0 else rows % n == n - 1, row_mask)
     elt, mask_elt = torch.finfo(dt).bits // 8, torch.finfo(call.mdt).bits // 8
-    # Keys and values (in inference queries and the output too) laid out as contiguous blocks per
-    # run of (batch, head) pairs, when one pair's layouts fit in half the budget (the common
-    # case); else rows straight from the inputs. Whole blocks move faster than rows, in fewer ops.
-    tables = 4 if call.work.enabled else 2
+    # Keys and values (in inference the queries too) laid out as contiguous blocks per run of
+    # (batch, head) pairs, when one pair's layouts fit in half the budget (the common case); else
+    # rows straight from the inputs. Whole blocks move faster than rows, in fewer ops.
+    tables = 3 if call.work.enabled else 2
     run = pairs_per_layout(chunk_budget, B * H, n, D, elt, tables)
     if run:
         chunk_budget -= layout_bytes(run, n, D, elt, tables)
@@ -135,20 +135,22 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
             with parallel_cpu(big_layout):
                 kv = _Layouts(BlockTable(p.k, first, last, call.live, call.work, "kb"),
                               BlockTable(p.v, first, last, call.live, call.work, "vb"))
-                if tables == 4:    # dead query rows are zeroed in the layout, as k's and v's
-                    kv.q = BlockTable(p.q, first, last, call.live, call.work, "qb")
-                    kv.out = BlockOutput(flat.view(B, T, H, D), first, last, call.work, "ob")
+            if tables == 3:        # the run's query blocks in the order the chunks below take them
+                order = torch.cat([g.rows[cuts[e]:cuts[e + 1]] for g, _, cuts in plans])
+                kv.q = QueryBlocks(call.q, order, H, n, call.live, call.work, "qb", big_layout)
+        start = 0                  # position of the group's first row of this run in kv.q
         for g, shape, cuts in plans:
             step = rows_per_chunk(chunk_budget, shape, dev)
             span = max(step, slice_budget // slice_bytes_per_row(shape) // step * step)
             for s0 in range(cuts[e], cuts[e + 1], span):
-                sl = _prepare(call, g, g.rows[s0:min(s0 + span, cuts[e + 1])], shape, kv)
+                sl = _prepare(call, g, g.rows[s0:min(s0 + span, cuts[e + 1])], shape, kv,
+                              start + s0 - cuts[e])
                 for chunk in sl.split(step):
                     _attend_rows(call, g, chunk, shape, flat, kv)
                 del sl
-        if kv is not None and kv.out is not None:
-            with parallel_cpu(big_layout):
-                kv.out.flush()
+            start += cuts[e + 1] - cuts[e]
+        if kv is not None and kv.q is not None:    # the key layout is done with: the scratch
+            kv.q.flush(flat.view(B, T, H, D), edges[e], edges[e + 1], kv.k.flat.view(-1, D))
         del kv
     out = flat.view(B, T, H, D)
     if plan.coarse is not None and p.coarse_gate is not None:
@@ -170,7 +172,7 @@ class _Slice:
     out_rows: Optional[torch.Tensor]   # (N, Lq) the same in the output
     q_dead: Optional[torch.Tensor]     # (N, Lq) bool dead query rows (block_len), or None
     kv_idx: Optional[torch.Tensor]     # (N, count [+ 1]) block numbers in the run's BlockTables
-    q_idx: Optional[torch.Tensor]      # (N,) block numbers of the query blocks in the run's layouts
+    q_pos: Optional[int]               # position of the first row in the run's QueryBlocks
     tail: Optional["TailRows"] = None
 
     def split(self, step: int) -> List["_Slice"]:
@@ -180,19 +182,22 @@ class _Slice:
         if self.N <= step:
             return [self]
         chunks = split_rows((self.rows, self.b, self.h, self.i, self.blocks, self.q_rows, self.out_rows,
-                              self.q_dead, self.kv_idx, self.q_idx), step)
+                              self.q_dead, self.kv_idx), step)
         tails = self.tail.split(step) if self.tail is not None else [None] * len(chunks)
-        return [_Slice(tables[0].shape[0], *tables, tail=tail) for tables, tail in zip(chunks, tails)]
+        return [_Slice(tables[0].shape[0], *tables, q_pos=None if self.q_pos is None else self.q_pos + c * step,
+                       tail=tail) for c, (tables, tail) in enumerate(zip(chunks, tails))]
 
 
-def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv: Optional[_Layouts]) -> _Slice:
+def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv: Optional[_Layouts],
+             position: int) -> _Slice:
+    """The index tables of ``rows``, which sit at ``position`` in the run's query blocks."""
     H, n = call.p.H, call.p.n
     Lq = s.q_rows
     b, h, i = rows // (H * n), (rows // n) % H, rows % n
     blocks = call.indices[rows, :g.count]
-    q_rows = out_rows = q_dead = q_idx = None
-    if kv is not None and kv.q is not None:      # query block (P, i) is block (P - first) n + i
-        q_idx = rows - kv.q.first * n
+    q_rows = out_rows = q_dead = q_pos = None
+    if kv is not None and kv.q is not None:
+        q_pos = position
     else:
         q_rows = call.q.block_rows(b, h, i[:, None], Lq)
         out_rows = (q_rows if call.out.row_strides == call.q.row_strides
@@ -203,7 +208,7 @@ def _prepare(call: _Call, g: Group, rows: torch.Tensor, s: ChunkShape, kv: Optio
     if s.tail and g.masked:
         tail = tail_rows(call, b, h, i, None if g.row_mask else call.tail_mean[rows])
     return _Slice(N=rows.shape[0], rows=rows, b=b, h=h, i=i, blocks=blocks, q_rows=q_rows,
-                  out_rows=out_rows, q_dead=q_dead, kv_idx=kv_idx, q_idx=q_idx, tail=tail)
+                  out_rows=out_rows, q_dead=q_dead, kv_idx=kv_idx, q_pos=q_pos, tail=tail)
 
 
 def _attend_rows(call: _Call, g: Group, sl: _Slice, s: ChunkShape, flat: torch.Tensor, kv=None):
@@ -219,8 +224,8 @@ def _attend_rows(call: _Call, g: Group, sl: _Slice, s: ChunkShape, flat: torch.T
     else:
         o = checkpoint(_chunk_output, call, g, sl, s, kv, use_reentrant=False,
                        preserve_rng_state=False)                # nothing random inside
-    if sl.q_idx is not None:
-        kv.out.put(sl.q_idx, o)
+    if sl.q_pos is not None:     # one thread: a chunk's output is small, a parallel region costs more
+        kv.q.put(sl.q_pos, o)    # where other processes keep the cores busy (see SdpaTuning)
     else:
         flat.index_copy_(0, sl.out_rows.reshape(-1), o.reshape(-1, call.p.D))
 
@@ -231,8 +236,8 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
     count = g.count
     b, h, blocks = sl.b, sl.h, sl.blocks
 
-    if sl.q_idx is not None:                     # whole blocks; dead rows already zero
-        q = kv.q.take(sl.q_idx[:, None], 1, 0, work, "q")[:, :s.q_rows]   # (nr, Lq, D)
+    if sl.q_pos is not None:                     # a slice of the run's blocks; dead rows zero
+        q = kv.q.chunk(sl.q_pos, sl.N, s.q_rows)                         # (nr, Lq, D)
     else:
         q = call.q.gather(sl.q_rows, work, "q")                          # (nr, Lq, D)
     if sl.q_dead is not None:                    # dead rows enter nothing, even holding NaN

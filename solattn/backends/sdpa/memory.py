@@ -2,7 +2,7 @@
 many query blocks fit in a budget.
 
 Everything the backend allocates beyond inputs, output and the routing plan is a per-call table
-of O(T) (:func:`fixed_bytes`), the contiguous key and value (in inference also query and
+of O(T) (:func:`fixed_bytes`), the contiguous key and value (in inference also query, then
 output) block layouts of a run of (batch, head) pairs (:func:`layout_bytes`, sized by :func:`pairs_per_layout`) or part of a chunk
 (:func:`chunk_bytes`); the forward sizes every chunk with :func:`rows_per_chunk`, so nothing
 else needs a model.
@@ -115,8 +115,15 @@ def residual_tokens(budget: int, B: int, H: int, D: int, device: torch.device) -
 
 def layout_bytes(pairs: int, n: int, D: int, elt: int, tables: int = 2) -> int:
     """The block layouts of ``pairs`` (batch, head) pairs, plus their zero blocks: ``tables`` of
-    them (2: keys and values; 4 in inference, where queries and the output are laid out too)."""
-    return tables * (pairs * n + 1) * BLOCK * D * elt
+    them (2: keys and values; 3 in inference, where the queries are laid out too, then overwritten
+    by the output), and with the queries the int64 row numbers that gather them and the output
+    (with their temporaries)."""
+    return tables * BLOCK * D * elt + pairs * _pair_layout_bytes(n, D, elt, tables)
+
+
+def _pair_layout_bytes(n: int, D: int, elt: int, tables: int) -> int:
+    rows = 3 * n * BLOCK * _INDEX if tables > 2 else 0
+    return tables * n * BLOCK * D * elt + rows
 
 
 def pairs_per_layout(budget: int, pairs: int, n: int, D: int, elt: int, tables: int = 2) -> int:
@@ -126,7 +133,7 @@ def pairs_per_layout(budget: int, pairs: int, n: int, D: int, elt: int, tables: 
     half = budget // 2
     if layout_bytes(1, n, D, elt, tables) > half:
         return 0
-    return min(pairs, max(1, (half - tables * BLOCK * D * elt) // (tables * n * BLOCK * D * elt)))
+    return min(pairs, max(1, (half - tables * BLOCK * D * elt) // _pair_layout_bytes(n, D, elt, tables)))
 
 
 def packs_kv(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,0 +1,51 @@
+"""The ``sdpa`` backend's block layouts in inference: queries in the chunks' order, output gathered once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import solattn
+from solattn.routing import build_plan
+from solattn.testing import TOLERANCE as TOL
+from solattn.testing import make_qkv, rel_l2
+from solattn.validation import validate
+
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("pairs", [2, 6])
+def test_sdpa_queries_are_sliced_and_output_gathered_per_run(monkeypatch, tail, pairs):
+    """In inference a chunk's queries are a slice of the run's query blocks (laid out once, in the
+    order the chunks take them) and its output overwrites them; each run's output reaches the
+    (B, T, H, D) tensor in one gather per batch. Runs of 2 pairs with H=3 split a batch between
+    runs (the output goes through the spent key layout there); 6 pairs are whole batches (gathered
+    straight into the output). Ragged T, dead rows (one holding NaN in q, one in k), key_bias and
+    a poisoned output and workspace: the result is the reference's on every live row."""
+    from solattn.backends.sdpa import forward, layout
+    taken = []
+    real_take = layout.BlockTable.take
+    monkeypatch.setattr(layout.BlockTable, "take",
+                        lambda self, idx, count, extra, work, name: taken.append(name)
+                        or real_take(self, idx, count, extra, work, name))
+    monkeypatch.setattr(forward, "pairs_per_layout", lambda *args: pairs)
+    monkeypatch.setattr(forward, "new_output",
+                        lambda shape, dtype, dev: torch.full(shape, math.nan, dtype=dtype, device=dev))
+    real_empty = layout.Workspace.empty
+    monkeypatch.setattr(layout.Workspace, "empty",
+                        lambda self, *a, **kw: real_empty(self, *a, **kw).fill_(math.nan))
+    B, T, H, D = 2, 333, 3, 32
+    q, k, v = make_qkv(B, T, H, D, dtype=torch.float32, seed=21)
+    bl = torch.full(((T + 63) // 64,), 64, dtype=torch.int32)
+    bl[2], bl[-1] = 7, T - 64 * (bl.numel() - 1)
+    k[1, 2 * 64 + 30, 2] = float("nan")                       # dead rows: never reach an output
+    q[0, 2 * 64 + 40, 1] = float("nan")
+    bias = torch.randn(B, T)
+    p = validate(q, k, v, topk_ratio=0.3, block_len=bl, key_bias=bias, tail=tail)
+    out = forward.sdpa_forward(p, build_plan(p))
+    assert taken and set(taken) <= {"gk", "gv"}               # no query block is gathered per chunk
+    assert torch.isfinite(out).all()
+    want = solattn.sol_attn(q, k, v, topk_ratio=0.3, block_len=bl, key_bias=bias, tail=tail, backend="reference")
+    live = torch.cat([torch.arange(64) < int(x) for x in bl])[:T]      # dead rows' outputs: unspecified
+    assert rel_l2(out[:, live], want[:, live]) < TOL[torch.float32]
