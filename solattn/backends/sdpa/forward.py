@@ -101,7 +101,9 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
                                         masked is not None, tail)
     row_mask = None
     if tail:   # before any layout or chunk exists, so the pass may use the whole chunk budget
-        tail_mean, row_mask = masks.tail_residuals(p, plan, residual_tokens(chunk_budget, B, H, D, dev))
+        step = residual_tokens(chunk_budget, B, H, D, dev)
+        with parallel_cpu(B * min(step, T) * H * D * 4 >= call.tune.parallel_bytes):   # fp32 copies of q
+            tail_mean, row_mask = masks.tail_residuals(p, plan, step)
         call.tail_mean, row_mask = tail_mean.reshape(-1), row_mask.reshape(-1)
     groups = group_rows(plan.kv_num_blocks.reshape(-1),
                         None if masked is None else masked.reshape(-1),

@@ -1,4 +1,5 @@
-"""The ``sdpa`` backend's block layouts in inference: queries in the chunks' order, output gathered once."""
+"""The ``sdpa`` backend's inference path: block layouts (queries in the chunks' order, the output
+gathered once per run) and which of its passes run on the caller's threads on the CPU."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import solattn
+from solattn.config import tuning
 from solattn.routing import build_plan
 from solattn.testing import TOLERANCE as TOL
 from solattn.testing import make_qkv, rel_l2
@@ -49,3 +51,25 @@ def test_sdpa_queries_are_sliced_and_output_gathered_per_run(monkeypatch, tail, 
     want = solattn.sol_attn(q, k, v, topk_ratio=0.3, block_len=bl, key_bias=bias, tail=tail, backend="reference")
     live = torch.cat([torch.arange(64) < int(x) for x in bl])[:T]      # dead rows' outputs: unspecified
     assert rel_l2(out[:, live], want[:, live]) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("parallel_bytes", [0, 1 << 40])
+def test_sdpa_tail_residual_pass_takes_the_callers_threads_when_large(monkeypatch, parallel_bytes):
+    """The tail's rounding-residual pass (fp32 copies of q, one batched dot per step of tokens) runs
+    with the caller's threads when a step is at least SdpaTuning.parallel_bytes, else on the
+    forward's one thread, like the backend's other large ops; the output is the reference's."""
+    from solattn.backends.sdpa import SdpaTuning
+    seen = []
+    real = torch.einsum
+    monkeypatch.setattr(torch, "einsum", lambda *a, **kw: seen.append(torch.get_num_threads()) or real(*a, **kw))
+    q, k, v = make_qkv(1, 256, 2, 32, dtype=torch.bfloat16, seed=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with tuning(SdpaTuning(parallel_bytes=parallel_bytes)):
+            out = solattn.sol_attn(q, k, v, topk_ratio=0.25, tail=True, backend="sdpa")
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == ({3} if parallel_bytes == 0 else {1})
+    want = solattn.sol_attn(q, k, v, topk_ratio=0.25, tail=True, backend="reference")
+    assert rel_l2(out, want) < TOL[torch.bfloat16]
