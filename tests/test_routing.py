@@ -193,6 +193,41 @@ def test_serial_cpu_runs_one_thread_and_restores_the_count():
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [2, 4])
+def test_cpu_block_means_use_every_thread_from_four_and_agree(threads):
+    """The CPU block means run their chunk conversions and sums on all the caller's threads from
+    four threads on, on one below (a busy 2-core CPU loses in parallel regions); the means are the
+    same either way, and equal the fp32 definition."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from solattn.routing.stats import block_stats
+
+    class Threads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            big = args and isinstance(args[0], torch.Tensor) and args[0].numel() >= q.numel()
+            name = func.__name__.split(".")[0]
+            self.seen.setdefault(name if big else "small", set()).add(torch.get_num_threads())
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (x.to(torch.bfloat16) for x in make_qkv(1, 640, 4, 32, seed=4))
+    p = validate(q, k, v, tail=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with Threads() as mode:
+            stats = block_stats(p)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    wide = {threads} if threads >= 4 else {1}
+    assert mode.seen["copy_"] == wide and mode.seen["sum"] == wide, mode.seen   # q-sized chunk ops
+    want = q.float().unflatten(1, (10, 64)).mean(dim=2).permute(0, 2, 1, 3)
+    assert torch.equal(stats.qm, want) or torch.allclose(stats.qm, want, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("kw", [dict(topk_ratio=0.2, sink_blocks=(0, 1)), dict(tau=0.5, sink_q=(2, 3))])
 def test_chunked_plan_equals_the_one_chunk_plan(kw):
     q, k, v = make_qkv(2, 600, 3, 16, seed=3)
