@@ -37,6 +37,8 @@ class Tuning:
 T = TypeVar("T", bound=Tuning)
 
 _PROCESS: Dict[type, Tuning] = {}
+#: ``kind()`` per kind, made once: the values are frozen, and a call's launch reads several kinds
+_DEFAULTS: Dict[type, Tuning] = {}
 _SCOPED: contextvars.ContextVar[Tuple[Tuning, ...]] = contextvars.ContextVar("solattn_tuning", default=())
 _GRAPH_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("solattn_graph_recording", default=False)
 
@@ -60,7 +62,11 @@ def current_tuning(kind: Type[T]) -> T:
         if type(value) is kind:
             return value
     value = _PROCESS.get(kind)
-    return kind() if value is None else value
+    if value is None:
+        value = _DEFAULTS.get(kind)
+        if value is None:
+            value = _DEFAULTS[kind] = kind()
+    return value
 
 
 def set_tuning(*values: Tuning) -> None:

@@ -7,6 +7,7 @@ from typing import ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Tuple,
 
 import torch
 
+from ..kernels import cuda_capability
 from ..validation import Problem
 
 #: ``"autograd"``: the backend's forward records torch autograd, so a backward pass can
@@ -174,7 +175,7 @@ def _compute_capability_reasons(dev: torch.device, need: Tuple[int, int]) -> Lis
     """Reasons a CUDA device (the current one when ``dev`` has no index) is missing or too old."""
     if not torch.cuda.is_available():
         return ["no CUDA device available (torch.cuda.is_available() is False)"]
-    have = tuple(torch.cuda.get_device_capability(dev if dev.index is not None else None))
+    have = cuda_capability(dev)
     if have < tuple(need):
         return [f"needs a GPU of compute capability {need[0]}.{need[1]} or newer (sm_{need[0]}{need[1]}+); "
                 f"{dev} is {have[0]}.{have[1]}"]

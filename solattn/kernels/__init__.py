@@ -34,10 +34,26 @@ def interpretable(interpret: bool, *tensors):
     return tuple(t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in tensors)
 
 
+def cuda_capability(device: torch.device):
+    """``torch.cuda.get_device_capability(device)`` as a tuple, asked once per device index: a GPU's
+    capability does not change, and the query costs several microseconds of Python on every launch
+    that reads it. A device without an index (the current one) is asked each time. The cache is
+    keyed by the query function too, so that a replaced query (a test's) is asked afresh."""
+    query = torch.cuda.get_device_capability
+    if device.index is None:
+        return tuple(query(device))
+    return _capability(query, device.type, device.index)
+
+
+@functools.lru_cache(maxsize=64)
+def _capability(query, device_type: str, index: int):
+    return tuple(query(torch.device(device_type, index)))
+
+
 @functools.lru_cache(maxsize=1)
 def triton_installed() -> bool:
     """Whether Triton can be imported (without importing it)."""
     return importlib.util.find_spec("triton") is not None
 
 
-__all__ = ["interpret_on", "interpretable", "interpreting", "triton_installed"]
+__all__ = ["cuda_capability", "interpret_on", "interpretable", "interpreting", "triton_installed"]

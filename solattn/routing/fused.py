@@ -43,6 +43,7 @@ when a fused plan is built.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -51,7 +52,7 @@ import torch
 
 from ..budget import current_budget
 from ..config import Tuning, current_tuning
-from ..kernels import interpret_on, interpretable, interpreting, triton_installed
+from ..kernels import cuda_capability, interpret_on, interpretable, interpreting, triton_installed
 from ..validation import BLOCK, Problem, fail
 from .plan import Plan
 from .select import topk_count
@@ -155,7 +156,7 @@ def dot_precision(device: torch.device) -> str:
     if chosen is not None:
         return chosen
     # ROCm builds report AMD GPUs as "cuda" too; Triton's AMD backend has no tf32x3
-    if device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 8:
+    if device.type == "cuda" and torch.version.hip is None and cuda_capability(device)[0] >= 8:
         return "tf32x3"
     return "ieee"
 
@@ -275,7 +276,8 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
     rule = rule or sol_attn_rule(problem)
     sel, kk, s0, s1, q0, q1, near, centre = rule
     tau_mode = sel == 0
-    m = torch.empty(G, D, dtype=f32, device=dev)
+    # the plan's tensors are made in their final (B, H, ...) shapes (the kernels index them flat)
+    m = torch.empty(B, H, 1, D, dtype=f32, device=dev)
     var = torch.empty(G, D, dtype=f32, device=dev) if tau_mode else m
     bd = tuning.get("centroid_bd", min(D, 32))
     compiled(interpret, fk.centroid_kernel)[(G, D // bd)](
@@ -304,9 +306,9 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
     kth_rb = tuning.get("kth_rb", max(1, min(NP, _KTH_KEYS_PER_THREAD * 32 // NP)))
     kth_warps = tuning.get("kth_warps", max(1, min(8, kth_rb * NP // (_KTH_KEYS_PER_THREAD * 32))))
     c = problem.scale * math.log2(math.e)
-    kv_num = torch.empty(G, n, dtype=i32, device=dev)
-    kv_idx = torch.empty(G, n, n, dtype=i32, device=dev)
-    touch = torch.empty(G, n, dtype=torch.int8, device=dev)
+    kv_num = torch.empty(B, H, n, dtype=i32, device=dev)
+    kv_idx = torch.empty(B, H, n, n, dtype=i32, device=dev)
+    touch = torch.empty(B, H, n, dtype=torch.int8, device=dev)
     # The scores of every (query block, key block) pair into an (n, n) fp32 scratch per batch *
     # head, read by the select and pooled-terms kernels: by a tiled GEMM, 64 x 64 tiles in 4 warps
     # (0.13 ms at H3, against 0.34 ms with 32 x 32 tiles, 0.22 ms with 8 warps, 0.21-0.25 ms with
@@ -317,7 +319,7 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
     # select kernel computing the scores itself in 32-row tiles, so there the select kernel
     # writes them (SCORES_HERE).
     scores_here = bool(tuning.get("scores_here", ieee))
-    centroid = m if centre else torch.zeros_like(m)     # what the scores subtract from km
+    centroid = m if centre else _zeros(G, D, dev)        # what the scores subtract from km
     scratch = torch.empty(G, n, n, dtype=f32, device=dev)
     if not scores_here:
         bm = tuning.get("scores_tile", 64)
@@ -336,9 +338,9 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
         DOT=precision, SCORES_HERE=scores_here,
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
         **_stages(tuning, "select_stages"))
-    tail_lse = torch.empty(G, n, dtype=f32, device=dev) if tail else m
-    tail_value = torch.empty(G, n, D, dtype=f32, device=dev) if tail else m
-    coarse_out = torch.empty(G, n, D, dtype=f32, device=dev) if coarse else m
+    tail_lse = torch.empty(B, H, n, dtype=f32, device=dev) if tail else m
+    tail_value = torch.empty(B, H, n, D, dtype=f32, device=dev) if tail else m
+    coarse_out = torch.empty(B, H, n, D, dtype=f32, device=dev) if coarse else m
     if tail or coarse:
         # 16 query-block rows per program, 16 key blocks per chunk, 4 warps: at H3 in tau mode
         # with the tail (H200) 0.23 ms, against 0.32-0.33 ms with 32 or
@@ -353,10 +355,22 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
             POOL_DOT=tuning.get("pool_dot", precision), num_warps=tuning.get("pool_warps", 8 if bi >= 64 else 4),
             **_stages(tuning, "pool_stages"))
 
-    def bh(x: torch.Tensor) -> torch.Tensor:
-        return x.view(B, H, *x.shape[1:])
-
-    return Plan(kv_num_blocks=bh(kv_num), kv_indices=bh(kv_idx), block_len=L, key_mean=m.view(B, H, 1, D),
-                tail_lse=bh(tail_lse) if tail else None, tail_value=bh(tail_value) if tail else None,
-                coarse=bh(coarse_out) if coarse else None, touches_dead=bh(touch.view(torch.bool)),
+    return Plan(kv_num_blocks=kv_num, kv_indices=kv_idx, block_len=L, key_mean=m,
+                tail_lse=tail_lse if tail else None, tail_value=tail_value if tail else None,
+                coarse=coarse_out if coarse else None, touches_dead=touch.view(torch.bool),
                 seq_len=T)
+
+
+def _zeros(G: int, D: int, device: torch.device) -> torch.Tensor:
+    """fp32 zeros ``(G, D)``: the centroid that VSA's uncentred scores subtract (the kernels only
+    read it), made once per shape and device (a fill per call cost a launch); fresh inside a CUDA
+    graph capture, whose graph then owns it (its fill runs at each replay, and no cache eviction
+    can free what the graph reads)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(G, D, dtype=torch.float32, device=device)
+    return _shared_zeros(G, D, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_zeros(G: int, D: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(G, D, dtype=torch.float32, device=device)

@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 from ...config import current_tuning, graph_recording
-from ...kernels import interpreting
+from ...kernels import cuda_capability, interpreting
 from ...kernels import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend, BackwardBuffers, Gradients
@@ -159,7 +159,7 @@ def _tma_ok(problem: Problem, interpret: bool) -> bool:
     if problem.block_len is not None and not (problem.dead_rows_zero or problem.rows is not None):
         return False
     if not interpret:
-        if problem.device.type != "cuda" or torch.cuda.get_device_capability(problem.device)[0] < 9:
+        if problem.device.type != "cuda" or cuda_capability(problem.device)[0] < 9:
             return False
     if problem.rows is not None:
         return True                # fresh contiguous copies (tiled_kv)

@@ -46,7 +46,7 @@ def kernel_operands(problem: Problem, plan) -> KernelOperands:
     """The :class:`KernelOperands` of ``problem`` run with ``plan``."""
     f32 = torch.float32
     B, H, n, D = problem.B, problem.H, problem.n, problem.D
-    key_mean = plan.key_mean.detach().to(f32).contiguous()
+    key_mean = _as(plan.key_mean, f32)
     has_tail = problem.tail and plan.tail_lse is not None
     has_coarse = problem.coarse_gate is not None
     has_bias = problem.key_bias is not None
@@ -55,13 +55,13 @@ def kernel_operands(problem: Problem, plan) -> KernelOperands:
         raise RuntimeError("triton backend: a problem with a row table (Problem.rows) has no key_bias")
 
     def field(t, used):
-        return t.detach().to(f32).contiguous() if used else key_mean
+        return _as(t, f32) if used else key_mean
 
     coarse = field(plan.coarse, has_coarse)
     if has_coarse and coarse.shape != (B, H, n, D):
         raise RuntimeError(f"triton backend: plan.coarse has shape {tuple(coarse.shape)}, expected {(B, H, n, D)}")
     if has_bias:
-        key_bias = problem.key_bias.to(f32).contiguous()
+        key_bias = _as(problem.key_bias, f32)
         bias_stride_b = key_bias.stride(0) if key_bias.shape[0] > 1 else 0
     else:
         key_bias, bias_stride_b = key_mean, 0
@@ -71,11 +71,18 @@ def kernel_operands(problem: Problem, plan) -> KernelOperands:
     q, k, v, gate = interpretable(interpret, q, k, v, gate)
     return KernelOperands(
         q=q, k=k, v=v, gate=gate,
-        kv_num=plan.kv_num_blocks.to(torch.int32).contiguous(),
-        kv_idx=plan.kv_indices.to(torch.int32).contiguous(),
-        block_len=plan.block_len.to(torch.int32).contiguous(),
-        key_mean=key_mean,
+        kv_num=_as(plan.kv_num_blocks, torch.int32), kv_idx=_as(plan.kv_indices, torch.int32),
+        block_len=_as(plan.block_len, torch.int32), key_mean=key_mean,
         tail_lse=field(plan.tail_lse, has_tail), tail_value=field(plan.tail_value, has_tail),
         coarse=coarse, key_bias=key_bias, bias_stride_b=bias_stride_b,
-        rows=problem.rows.to(torch.int64).contiguous() if has_rows else key_mean,
+        rows=_as(problem.rows, torch.int64) if has_rows else key_mean,
         has_tail=has_tail, has_coarse=has_coarse, has_bias=has_bias, has_rows=has_rows, interpret=interpret)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous ``dtype`` tensor that records no autograd: ``t`` itself when it is one
+    already (the fused plan's tensors are), with no op dispatched (each costs microseconds of host
+    time per launch); else a detached contiguous copy or view."""
+    if t.dtype == dtype and not t.requires_grad and t.is_contiguous():
+        return t
+    return t.detach().to(dtype).contiguous()

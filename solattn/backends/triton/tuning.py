@@ -5,6 +5,7 @@ Plain Python: importing this module does not import Triton."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -124,7 +125,16 @@ class TritonTuning(Tuning):
         graph's warm-up or capture)."""
         if self.forward is not None:
             return self.forward
-        cfg = DEFAULT_CONFIGS.get(head_dim, KernelConfig())
+        cfg = DEFAULT_CONFIGS.get(head_dim) or _PLAIN
         if programs < self.tma_min_programs and not (self.tma_in_graphs and recording):
-            cfg = KernelConfig(cfg.num_warps, cfg.num_stages, tma=False)
+            cfg = _pointer_loads(cfg)
         return cfg
+
+
+_PLAIN = KernelConfig()
+
+
+@functools.lru_cache(maxsize=16)
+def _pointer_loads(cfg: KernelConfig) -> KernelConfig:
+    """``cfg`` with pointer loads (made once per config: a config checks its fields when made)."""
+    return KernelConfig(cfg.num_warps, cfg.num_stages, tma=False)
