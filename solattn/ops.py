@@ -89,7 +89,7 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
         # fn validates again (about 6 us on the CPU): under cuda_graphs() it is what a graph
         # captures, and validation makes new tensors (a bool key_bias becomes a float one) that
         # must be made inside the capture, from the caller's tensors, not once outside it
-        return eager_call(lambda: pipeline.forward(*args)[0], (q, k, v, key_bias, block_len, coarse_gate,
+        return eager_call(lambda: pipeline.forward_output(*args), (q, k, v, key_bias, block_len, coarse_gate,
                                                                 *(given if plan is not None else ())),
                           ("sol_attn", *args[3:7], *args[8:10], *args[12:-pipeline.PLAN_OPERANDS]))
     check_transforms("sol_attn", (q, k, v, key_bias, coarse_gate))

@@ -23,7 +23,6 @@ differentiable backend. A traced backward (compiled training) is the one opaque 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -36,7 +35,7 @@ from .backward import (PLANS, backward_buffers, fake_fused, fake_grads, fused_gr
 from .modes import autograd_dispatch, forward_settings, traced
 from .routing import Plan, build_plan, build_vsa_plan
 from .routing.fused import fused_plan_usable
-from .validation import Problem, validate
+from .validation import BLOCK, Problem, validate
 
 Tensor = torch.Tensor
 
@@ -159,13 +158,11 @@ class VideoRoute(Route):
     def __init__(self, call: Call, device: torch.device, given: Sequence[Optional[Tensor]] = ()):
         super().__init__(call, given)
         self.device = device
-
-    @functools.cached_property
-    def layout(self) -> tiling.Layout:
-        return tiling.layout(tuple(self.call.grid), tiling.DEFAULT_CUBE, tuple(self.call.segments), self.device)
+        #: the tiled layout's tables (cached per grid, segments and device by :func:`solattn.tiling.layout`)
+        self.layout = tiling.layout(tuple(call.grid), tiling.DEFAULT_CUBE, tuple(call.segments), device)
 
     def rows(self) -> int:
-        return tiling.tiled_rows(self.call.grid, self.call.segments)
+        return self.layout.block_len.shape[0] * BLOCK
 
     def tiled(self, x: Tensor) -> Tensor:
         return tiling.to_tiled(x, self.layout)
@@ -180,15 +177,19 @@ class VideoRoute(Route):
         """Marked ``dead_rows_zero``: :func:`solattn.tiling.to_tiled` wrote zeros into the dead
         rows, so block sums and TMA loads may read them. The forward and the backward's rebuild
         take the problem from here, so both sum the same way."""
-        problem = validate(q, k, v, scale=self.call.scale, tail=False, block_len=self.layout.block_len,
-                           coarse_gate=gate)
-        return dataclasses.replace(problem, dead_rows_zero=True, sink_q=self.long_rows())
+        return self._problem(q, k, v, gate, None)
 
-    def long_rows(self) -> Optional[Tuple[int, int]]:
-        """The query tiles that attend every tile (the prefix's) as the problem's ``sink_q``: the
-        selection is the plan's, a backend may schedule those long rows first."""
+    def _problem(self, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], rows: Optional[Tensor]) -> Problem:
+        """The problem of the tiled layout, with the row table ``rows`` or on tiled copies. Built
+        directly rather than through :func:`solattn.validation.validate`: the front door checked
+        q, k, v, the scale and the gate (these are those tensors, or copies of their shape), and
+        the rest is the layout's. ``sink_q``: the query tiles that attend every tile (the
+        prefix's); the selection is the plan's, a backend may schedule those long rows first."""
         P = self.layout.num_prefix_blocks
-        return (0, P) if P else None
+        scale = self.call.scale
+        return Problem(q=q, k=k, v=v, scale=q.shape[3] ** -0.5 if scale is None else scale, tau=1.0,
+                       topk_ratio=0.0, tail=False, sink_blocks=None, sink_q=(0, P) if P else None, key_bias=None,
+                       block_len=self.layout.block_len, coarse_gate=gate, dead_rows_zero=rows is None, rows=rows)
 
     def prepare(self, q, k, v, gate, key_bias, block_len, requested, want_lse):
         """No tiled copies where the chosen backend reads the layout's row table
@@ -205,10 +206,9 @@ class VideoRoute(Route):
 
     def row_problem(self, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor]) -> Problem:
         """The tiled layout's problem on the caller's tensors through the row table (``Problem.rows``)."""
-        raw = validate(q, k, v, scale=self.call.scale, tail=False,
-                       coarse_gate=None if gate is None else gate.expand(q.shape))
-        return dataclasses.replace(raw, block_len=self.layout.block_len, rows=self.layout.gather,
-                                   sink_q=self.long_rows())
+        if gate is not None and gate.dim() == 0:         # a constant gate: a stride-0 view of q's shape
+            gate = gate.expand(q.shape)
+        return self._problem(q, k, v, gate, self.layout.gather)
 
     # The backward takes tiled copies (Route.backward_layout) even where the forward read the row
     # table: on an H200 (B=1 H=56 D=128 bf16, gated, 16x48x48 with 58 of 576 tiles) forward +
@@ -288,12 +288,33 @@ def forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],
     """The op's computation: ``(out, lse, resid, fused)``, where ``lse``, ``resid`` (in the
     backend's layout) and the CPU tensor ``fused`` are for the backward; ``want_lse``: a
     backward may follow; ``given``: the caller's plan (:func:`plan_operands`), or nothing."""
-    call = Call(tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode)
-    route = route_of(call, q.device, given)
+    route = _routed(q, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
+                    prefix_mode, given)
     with torch.no_grad():  # the forward never records autograd
         lse, resid = backward_buffers(q, v, want_lse, route.rows())
         out, fused = run(route, q, k, v, coarse_gate, key_bias, block_len, backend or None, (lse, resid))
         return out, lse, resid, fused
+
+
+def forward_output(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],
+                   sink_blocks: Optional[List[int]], sink_q: Optional[List[int]], key_bias: Optional[Tensor],
+                   topk_ratio: float, tail: bool, block_len: Optional[Tensor], coarse_gate: Optional[Tensor],
+                   token_aug: int, backend: str, want_lse: bool, grid: Optional[List[int]], k_vid: int,
+                   segments: List[int], prefix_mode: str, *given: Optional[Tensor]) -> Tensor:
+    """:func:`forward`'s output alone, for a plain eager call that no backward follows (the same
+    arguments, ``want_lse`` False): the op's other outputs, which such a call drops, are not made
+    (two empty buffers and the CPU ``fused`` flag: three allocations per call)."""
+    route = _routed(q, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
+                    prefix_mode, given)
+    with torch.no_grad():
+        return run(route, q, k, v, coarse_gate, key_bias, block_len, backend or None)[0]
+
+
+def _routed(q: Tensor, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
+            prefix_mode, given) -> Route:
+    """The route of the op's arguments."""
+    call = Call(tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode)
+    return route_of(call, q.device, given)
 
 
 @torch.library.custom_op("solattn::sol_attn", mutates_args=())
@@ -340,8 +361,8 @@ def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, gr
     the backend that ran the forward, else a recomputation through a differentiable backend.
     ``given``: the caller's plan as tensors, or empty; ``settings``, ``plan``: the forward's
     context and kept plan, when the backward runs eagerly."""
-    call = Call(tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode)
-    route = route_of(call, q.device, given)
+    route = _routed(q, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
+                    prefix_mode, given)
     gate = coarse_gate
     own = own_backward(lse, fused)
     if own is None:

@@ -87,7 +87,7 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
         # host syncs, other plans stay eager; the cached layout's tables are read too, so they key,
         # and so are a given plan's tensors (none without a plan: the op's padding is not read)
         tiles = layout(grid, DEFAULT_CUBE, segments, q.device)
-        return eager_call(lambda: pipeline.forward(*args)[0],
+        return eager_call(lambda: pipeline.forward_output(*args),
                           (q, k, v, gate, *tiles[:3], tiles.block_len, *(given if plan is not None else ())),
                           ("video_sparse_attn", args[4], *args[13:-pipeline.PLAN_OPERANDS]))
     check_transforms("video_sparse_attn", (q, k, v, gate))

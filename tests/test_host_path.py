@@ -1,16 +1,39 @@
 """The host side of a call on the ``triton`` backend: what is made once and shared (tuning
-defaults, launch configs, device capabilities, the fused plan's zero centroid). Each cache is
-checked against a freshly built value and keyed by what it depends on."""
+defaults, launch configs, device capabilities, the fused plan's zero centroid), what a plain eager
+call no longer allocates, and the VSA route's problems, built without re-validating, against the
+validated ones. Each cache is checked against a freshly built value, keyed by what it depends on,
+and safe from in-place use."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from solattn import config, kernels
+from solattn import config, kernels, pipeline
 from solattn.backends.triton import KernelConfig, TritonTuning
 from solattn.backends.triton.operands import _as
 from solattn.routing import fused
+from solattn.testing import triton_interpretable
+from solattn.validation import validate
+
+
+class Allocations(TorchDispatchMode):
+    """Every factory op (``empty``, ``zeros``, ...) dispatched in the block, as (name, shape, dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ("empty", "zeros", "empty_like", "zeros_like", "full", "scalar_tensor", "lift_fresh"):
+            self.seen.append((name, tuple(out.shape), out.dtype))
+        return out
 
 
 def test_default_tuning_is_made_once_and_equals_a_fresh_one():
@@ -71,3 +94,63 @@ def test_kernel_operand_conversion_copies_only_what_it_must():
     g = _as(f, torch.float32)
     assert not g.requires_grad and torch.equal(g, f.detach())
     assert _as(t, torch.int64).dtype == torch.int64
+
+
+def _video_route(grid, segments, scale=None):
+    call = pipeline.Call(1.0, scale, None, None, 0.0, False, 0, list(grid), 2, list(segments), "exempt")
+    return pipeline.VideoRoute(call, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("segments, scale, gate", [((70, 5), None, "tensor"), ((), 0.3, "constant"), ((64,), None, None)])
+def test_video_problems_equal_the_validated_ones(segments, scale, gate):
+    """The route builds its problems without validate(): field for field what validate() and the
+    layout give, on the row table and on tiled copies."""
+    grid = (3, 5, 6)
+    route = _video_route(grid, segments, scale)
+    T = sum(segments) + 90
+    q, k, v = (torch.randn(2, T, 2, 16).to(torch.bfloat16) for _ in range(3))
+    g = {"tensor": torch.rand(2, T, 2, 16).to(torch.bfloat16), "constant": torch.tensor(0.5), None: None}[gate]
+    P = route.layout.num_prefix_blocks
+    common = dict(block_len=route.layout.block_len, sink_q=(0, P) if P else None)
+
+    rows = route.row_problem(q, k, v, g)
+    want = dataclasses.replace(validate(q, k, v, scale=scale, tail=False,
+                                        coarse_gate=None if g is None else g.expand(q.shape)),
+                               rows=route.layout.gather, **common)
+    tq, tk, tv = (route.tiled(x) for x in (q, k, v))
+    tiled = route.problem(tq, tk, tv, route.gate(g, tq), None, None)
+    want_tiled = dataclasses.replace(validate(tq, tk, tv, scale=scale, tail=False, coarse_gate=route.gate(g, tq)),
+                                     dead_rows_zero=True, **common)
+    for got, ref in ((rows, want), (tiled, want_tiled)):
+        for f in dataclasses.fields(ref):
+            a, b = getattr(got, f.name), getattr(ref, f.name)
+            if isinstance(b, torch.Tensor):
+                assert a is b or torch.equal(a, b), f.name
+            else:
+                assert a == b, f.name
+        assert got.features == ref.features and got.T == ref.T and got.n == ref.n
+
+
+@pytest.mark.skipif(not triton_interpretable(), reason="needs Triton >= 3.9 for its CPU interpreter")
+def test_plain_eager_call_allocates_no_backward_outputs(monkeypatch):
+    """A plain eager call runs :func:`pipeline.forward_output`: its output is the op's (bit for
+    bit), and neither the op's empty ``(0,)`` backward buffers nor its CPU flag are made; the fused
+    plan's shared zero centroid is still zeros after the calls."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    grid, segments = (2, 8, 8), [70]
+    T = 70 + 128
+    q, k, v, g = (torch.randn(1, T, 2, 16, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+                  for i in range(4))
+    args = (q, k, v, 1.0, None, None, None, None, 0.0, False, None, g, 0, "triton", False, list(grid), 2, segments,
+            "exempt", *pipeline.plan_operands(None))
+    pipeline.forward_output(*args)                 # the layout's tables and the shared centroid: made once
+    with Allocations() as fast:
+        out = pipeline.forward_output(*args)
+    with Allocations() as op:
+        full = pipeline.forward(*args)
+    assert torch.equal(out, full[0]) and full[1].shape == (0,) and full[3].shape == (2,)
+    extra = collections.Counter(op.seen)
+    extra.subtract(fast.seen)           # the interpreter's own allocations are the same in both
+    assert +extra == collections.Counter([("empty", (0,), torch.float32), ("empty", (0,), torch.bfloat16),
+                                          ("zeros", (2,), torch.int64)]) and not -extra
+    assert torch.equal(fused._zeros(2, 16, torch.device("cpu")), torch.zeros(2, 16))
