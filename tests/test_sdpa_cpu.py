@@ -73,3 +73,37 @@ def test_sdpa_tail_residual_pass_takes_the_callers_threads_when_large(monkeypatc
     assert seen and set(seen) == ({3} if parallel_bytes == 0 else {1})
     want = solattn.sol_attn(q, k, v, topk_ratio=0.25, tail=True, backend="reference")
     assert rel_l2(out, want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("pairs", [2, 6])
+def test_sdpa_heads_first_keys_and_values_are_read_in_place(monkeypatch, tail, pairs):
+    """Keys and values whose heads are contiguous (T, D) rows ((B, H, T, D) memory passed as
+    (B, T, H, D)), with T a multiple of 64 and no dead rows, are gathered from in place: no layout
+    copy; the caller's tensors are left untouched (the tail slots, zeroed in the gathered copy,
+    and a run splitting a batch, whose output goes through scratch memory of its own). The output
+    is the one of the same values in (B, T, H, D) memory and the reference's."""
+    from solattn.backends.sdpa import forward, layout
+    in_place = []
+    real_init = layout.BlockTable.__init__
+
+    def spy(self, x, *args):
+        real_init(self, x, *args)
+        in_place.append(self.flat.untyped_storage().data_ptr() == x.untyped_storage().data_ptr())
+    monkeypatch.setattr(layout.BlockTable, "__init__", spy)
+    monkeypatch.setattr(forward, "pairs_per_layout", lambda *args: pairs)
+    B, T, H, D = 2, 256, 3, 32
+    q, k, v = make_qkv(B, T, H, D, dtype=torch.bfloat16, seed=23)
+    heads_first = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
+    before = [x.clone() for x in heads_first]
+    bias = torch.randn(B, T)
+    kw = dict(topk_ratio=0.3, key_bias=bias, tail=tail)
+    out = solattn.sol_attn(*heads_first, backend="sdpa", **kw)
+    assert in_place and all(in_place)
+    assert all(torch.equal(x, y) for x, y in zip(heads_first, before))
+    in_place.clear()
+    copied = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
+    assert in_place and not any(in_place)
+    assert rel_l2(out, copied) < 1e-6
+    want = solattn.sol_attn(q, k, v, backend="reference", **kw)
+    assert rel_l2(out, want) < TOL[torch.bfloat16]

@@ -151,8 +151,8 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
                     _attend_rows(call, g, chunk, shape, flat, kv)
                 del sl
             start += cuts[e + 1] - cuts[e]
-        if kv is not None and kv.q is not None:    # the key layout is done with: the scratch
-            kv.q.flush(flat.view(B, T, H, D), edges[e], edges[e + 1], kv.k.flat.view(-1, D))
+        if kv is not None and kv.q is not None:
+            kv.q.flush(flat.view(B, T, H, D), edges[e], edges[e + 1], call.work, "kb")
         del kv
     out = flat.view(B, T, H, D)
     if plan.coarse is not None and p.coarse_gate is not None:

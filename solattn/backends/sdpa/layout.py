@@ -120,6 +120,11 @@ class BlockTable:
     D = 128) instead of D-element rows: on an H200 row gathers ran about 3x slower. Rows past T
     and dead rows (``live`` False) are zeroed here once, so nothing in them, not even a NaN,
     reaches the arithmetic.
+
+    In inference, an input whose heads are already contiguous ``(T, D)`` rows (``(B, H, T, D)``
+    memory transposed to ``(B, T, H, D)``, as hosts that attend in that layout pass it), with T a
+    multiple of 64 and no dead rows, is its own layout: ``blocks`` is a view of it, nothing is
+    copied, and :meth:`take` zeroes the tail rows it gathers (there is no zero block).
     """
 
     def __init__(self, x: torch.Tensor, first: int, last: int, live: Optional[torch.Tensor],
@@ -128,6 +133,11 @@ class BlockTable:
         n = (T + BLOCK - 1) // BLOCK
         self.first, self.n, self.D = first, n, D
         pairs = last - first
+        heads_first = x.permute(0, 2, 1, 3)
+        if work.enabled and live is None and T % BLOCK == 0 and heads_first.is_contiguous():
+            self.flat = heads_first.reshape(B * H * n, BLOCK * D)[first * n:last * n]
+            self.zero_block = None
+            return
         buf = work.empty(name, (pairs * n + 1, BLOCK, D), x.dtype, x.device)
         heads = buf[:pairs * n].view(pairs, n * BLOCK, D)
         for b, h0, h1, off in _pair_spans(B, H, first, last):   # one strided copy per batch
@@ -142,10 +152,12 @@ class BlockTable:
 
     def block_index(self, pairs: torch.Tensor, blocks: torch.Tensor, extra_rows: int) -> torch.Tensor:
         """``(N, count [+ 1])`` numbers into this table of key blocks ``blocks`` (``(N, count)``) of
-        pairs ``pairs`` (``(N,)``), plus the zero block when ``extra_rows`` are asked for."""
+        pairs ``pairs`` (``(N,)``), plus the zero block when ``extra_rows`` are asked for (a view
+        of the input has none: its first block, whose rows :meth:`take` zeroes)."""
         idx = (pairs - self.first)[:, None] * self.n + blocks
         if extra_rows:
-            idx = torch.cat([idx, idx.new_full((idx.shape[0], 1), self.zero_block)], dim=1)
+            extra = idx[:, :1] if self.zero_block is None else idx.new_full((idx.shape[0], 1), self.zero_block)
+            idx = torch.cat([idx, extra], dim=1)
         return idx
 
     def take(self, idx: torch.Tensor, count: int, extra_rows: int, work: Workspace, name: str) -> torch.Tensor:
@@ -159,7 +171,10 @@ class BlockTable:
             g = torch.index_select(self.flat, 0, flat, out=buf)
         else:
             g = self.flat.index_select(0, flat)
-        return g.view(N, idx.shape[1] * BLOCK, self.D)[:, :count * BLOCK + extra_rows]
+        g = g.view(N, idx.shape[1] * BLOCK, self.D)[:, :count * BLOCK + extra_rows]
+        if extra_rows and self.zero_block is None:       # inference only: g is the workspace's
+            g[:, count * BLOCK:].zero_()
+        return g
 
 
 def _pair_spans(B: int, H: int, first: int, last: int):
@@ -209,10 +224,10 @@ class QueryBlocks:
         """Write a chunk's output ``o`` (``(N, Lq, D)``, any strides) over its query blocks."""
         self.blocks[start:start + o.shape[0], :o.shape[1]].copy_(o)
 
-    def flush(self, out: torch.Tensor, first: int, last: int, scratch: torch.Tensor) -> None:
+    def flush(self, out: torch.Tensor, first: int, last: int, work: Workspace, scratch: str) -> None:
         """Gather the outputs of pairs ``[first, last)`` into ``out`` (``(B, T, H, D)``, contiguous):
-        straight into it for whole batches, else through ``scratch`` (``(>= T (last - first), D)``,
-        free memory: the run's key layout, done with) and one strided copy per batch."""
+        straight into it for whole batches, else through the workspace's buffer ``scratch`` (the
+        run's key layout, done with) and one strided copy per batch."""
         B, T, H, D = out.shape
         n = self.n
         N = self.rows.shape[0]
@@ -230,6 +245,6 @@ class QueryBlocks:
                 if heads == H:
                     torch.index_select(src, 0, idx, out=out[b].view(T * H, D))
                 else:
-                    part = scratch[:T * heads]
+                    part = work.empty(scratch, (T * heads, D), out.dtype, out.device)
                     torch.index_select(src, 0, idx, out=part)
                     out[b, :, h0:h1].copy_(part.view(T, heads, D))
