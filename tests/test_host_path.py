@@ -21,8 +21,8 @@ from solattn.testing import triton_interpretable
 from solattn.validation import validate
 
 
-class Allocations(TorchDispatchMode):
-    """Every factory op (``empty``, ``zeros``, ...) dispatched in the block, as (name, shape, dtype)."""
+class Dispatched(TorchDispatchMode):
+    """Every aten op dispatched in the block, as (name, shape, dtype) of its (first) output."""
 
     def __init__(self):
         super().__init__()
@@ -30,10 +30,14 @@ class Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name in ("empty", "zeros", "empty_like", "zeros_like", "full", "scalar_tensor", "lift_fresh"):
-            self.seen.append((name, tuple(out.shape), out.dtype))
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        shape = tuple(first.shape) if isinstance(first, torch.Tensor) else None
+        self.seen.append((func.overloadpacket.__name__, shape, getattr(first, "dtype", None)))
         return out
+
+    def allocations(self):
+        return [s for s in self.seen if s[0] in ("empty", "zeros", "empty_like", "zeros_like", "full",
+                                                 "scalar_tensor", "lift_fresh")]
 
 
 def test_default_tuning_is_made_once_and_equals_a_fresh_one():
@@ -144,13 +148,38 @@ def test_plain_eager_call_allocates_no_backward_outputs(monkeypatch):
     args = (q, k, v, 1.0, None, None, None, None, 0.0, False, None, g, 0, "triton", False, list(grid), 2, segments,
             "exempt", *pipeline.plan_operands(None))
     pipeline.forward_output(*args)                 # the layout's tables and the shared centroid: made once
-    with Allocations() as fast:
+    with Dispatched() as fast:
         out = pipeline.forward_output(*args)
-    with Allocations() as op:
+    with Dispatched() as op:
         full = pipeline.forward(*args)
     assert torch.equal(out, full[0]) and full[1].shape == (0,) and full[3].shape == (2,)
-    extra = collections.Counter(op.seen)
-    extra.subtract(fast.seen)           # the interpreter's own allocations are the same in both
+    extra = collections.Counter(op.allocations())
+    extra.subtract(fast.allocations())           # the interpreter's own allocations are the same in both
     assert +extra == collections.Counter([("empty", (0,), torch.float32), ("empty", (0,), torch.bfloat16),
                                           ("zeros", (2,), torch.int64)]) and not -extra
     assert torch.equal(fused._zeros(2, 16, torch.device("cpu")), torch.zeros(2, 16))
+
+
+def test_coarse_block_grads_in_batched_products_match_float64():
+    """The coarse term's block gradients, in one chunk and in many, against float64 autograd of
+    ``softmax(scale qm km^T) vm``; the one-chunk path runs batched products only (no broadcasting
+    matmul's expand and reshape ops, no staging buffers)."""
+    from solattn.routing import BYTES_PER_SCORE
+    from solattn.routing.coarse_grad import coarse_block_grads
+
+    B, H, n, D, scale = 2, 3, 7, 16, 0.3
+    g = torch.Generator().manual_seed(0)
+    qm, km, vm, dco = (torch.randn(B, H, n, D, generator=g) for _ in range(4))
+    leaves = [t.double().requires_grad_(True) for t in (qm, km, vm)]
+    coarse = torch.softmax(scale * leaves[0] @ leaves[1].transpose(-1, -2), dim=-1) @ leaves[2]
+    want = torch.autograd.grad(coarse, leaves, dco.double())
+    with Dispatched() as ops:
+        whole = coarse_block_grads(qm, km, vm, dco, scale)
+    rows = coarse_block_grads(qm, km, vm, dco, scale, nbytes=BYTES_PER_SCORE * n)     # a row per chunk
+    for got, chunked, ref in zip(whole, rows, want):
+        assert got.shape == (B, H, n, D) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(chunked, got, rtol=1e-5, atol=1e-6)
+    names = collections.Counter(s[0] for s in ops.seen)
+    assert names["bmm"] == 5 and not {"expand", "_unsafe_view", "zeros_like", "zeros", "add_"} & set(names), names
+

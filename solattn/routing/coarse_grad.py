@@ -34,29 +34,50 @@ def coarse_block_grads(qm: Tensor, km: Tensor, vm: Tensor, dcoarse: Tensor, scal
     """``(dqm, dkm, dvm)``, fp32 ``(B, H, n, D)``: the gradients of the block means ``qm``, ``km``,
     ``vm`` (fp32 ``(B, H, n, D)``) through the coarse term, given its gradient ``dcoarse``
     (``(B, H, n, D)``). ``nbytes`` bounds one chunk's temporaries (default: the ``sdpa`` memory
-    budget in force)."""
+    budget in force). Batched products (``torch.bmm``, no broadcasting reshapes); a problem that
+    fits one chunk is computed without staging buffers."""
     B, H, n, D = qm.shape
     G = B * H
     qm, km, vm, dco = (x.reshape(G, n, D).to(torch.float32) for x in (qm, km, vm, dcoarse))
-    dqm = torch.empty_like(qm)
-    dkm = torch.zeros_like(km)
-    dvm = torch.zeros_like(vm)
     nbytes = current_budget("sdpa") if nbytes is None else nbytes
-    for g0, g1, i0, i1 in plan_chunks(G, n, nbytes):
-        rows = dco[g0:g1, i0:i1]
-        a = torch.softmax(scale * (qm[g0:g1, i0:i1] @ km[g0:g1].transpose(-1, -2)), dim=-1)
-        ds = rows @ vm[g0:g1].transpose(-1, -2)                   # d a_ij = dcoarse_i . vm_j
-        ds.sub_((a * ds).sum(dim=-1, keepdim=True)).mul_(a)      # softmax backward
-        dqm[g0:g1, i0:i1] = (ds @ km[g0:g1]).mul_(scale)
-        dkm[g0:g1].add_(ds.transpose(-1, -2) @ qm[g0:g1, i0:i1], alpha=scale)
-        dvm[g0:g1].add_(a.transpose(-1, -2) @ rows)
+    chunks = list(plan_chunks(G, n, nbytes))
+    if len(chunks) == 1:
+        a, ds = _softmax_grads(qm, km, vm, dco, scale)
+        dqm = torch.bmm(ds, km).mul_(scale)
+        dkm = torch.bmm(ds.transpose(-1, -2), qm).mul_(scale)
+        dvm = torch.bmm(a.transpose(-1, -2), dco)
+    else:
+        dqm = torch.empty_like(qm)
+        dkm = torch.zeros_like(km)
+        dvm = torch.zeros_like(vm)
+        for g0, g1, i0, i1 in chunks:
+            rows = dco[g0:g1, i0:i1]
+            a, ds = _softmax_grads(qm[g0:g1, i0:i1], km[g0:g1], vm[g0:g1], rows, scale)
+            dqm[g0:g1, i0:i1] = torch.bmm(ds, km[g0:g1]).mul_(scale)
+            dkm[g0:g1].add_(torch.bmm(ds.transpose(-1, -2), qm[g0:g1, i0:i1]), alpha=scale)
+            dvm[g0:g1].add_(torch.bmm(a.transpose(-1, -2), rows))
     return tuple(x.view(B, H, n, D) for x in (dqm, dkm, dvm))
+
+
+def _softmax_grads(qm: Tensor, km: Tensor, vm: Tensor, dco: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    """One chunk's softmax weights ``a`` ``(g, r, n)`` and logit gradients ``ds`` (query-block rows
+    ``qm``, ``dco`` ``(g, r, D)`` against all blocks ``km``, ``vm`` ``(g, n, D)``)."""
+    a = torch.softmax(torch.bmm(qm, km.transpose(-1, -2)).mul_(scale), dim=-1)
+    ds = torch.bmm(dco, vm.transpose(-1, -2))                          # d a_ij = dcoarse_i . vm_j
+    ds.sub_((a * ds).sum(dim=-1, keepdim=True)).mul_(a)               # softmax backward
+    return a, ds
 
 
 def per_row(block_grad: Tensor, L: Tensor) -> Tensor:
     """A block mean's gradient ``(B, H, n, D)`` as the gradient of each of its live rows:
     divided by the live length ``L`` ``(n,)``, fp32 contiguous."""
-    return (block_grad / L.to(torch.float32)[:, None]).contiguous()
+    return per_rows((block_grad,), L)[0]
+
+
+def per_rows(block_grads, L: Tensor) -> Tuple[Tensor, ...]:
+    """:func:`per_row` of each of ``block_grads`` (the lengths converted once)."""
+    lengths = L.to(torch.float32)[:, None]
+    return tuple((g / lengths).contiguous() for g in block_grads)
 
 
 def spread_rows(block_grad: Tensor, L: Tensor, T: int) -> Tensor:

@@ -238,9 +238,8 @@ def coarse_row_grads(problem: Problem, plan, means: torch.Tensor, dcoarse: torch
     ``(B, H, n, D)``: its gradient ``dcoarse`` carried through the softmax over the block means
     ``means`` (``(3, B, H, n, D)``: those of q, k, v; both from :func:`sol_attn_bwd_dq`), see
     :func:`solattn.routing.coarse_grad.coarse_block_grads`."""
-    from ...routing.coarse_grad import coarse_block_grads, per_row
-    grads = coarse_block_grads(means[0], means[1], means[2], dcoarse, problem.scale)
-    return tuple(per_row(g, plan.block_len) for g in grads)
+    from ...routing.coarse_grad import coarse_block_grads, per_rows
+    return per_rows(coarse_block_grads(means[0], means[1], means[2], dcoarse, problem.scale), plan.block_len)
 
 
 def _block_range(blocks) -> Tuple[int, int]:
