@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import dispatch, pipeline
+from . import dispatch, eager, pipeline
 from .modes import check_transforms, eager_call, plain_eager
 from .routing import Plan, build_plan, check_plan
 from .validation import Problem, validate
@@ -85,11 +85,14 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
     args = (q, k, v, float(tau), None if scale is None else float(scale), _as_list(sink_blocks),
             _as_list(sink_q), key_bias, float(topk_ratio), bool(tail), block_len, coarse_gate,
             int(token_aug), backend or "", want_lse, None, 0, [], "exempt", *given)   # no VSA route
-    if not want_lse and plain_eager(q, k, v, key_bias, block_len, coarse_gate):
+    direct = plain_eager(q, k, v, key_bias, block_len, coarse_gate)
+    if want_lse and direct:
+        return eager.eager_autograd(*args)
+    if direct:
         # fn validates again (about 6 us on the CPU): under cuda_graphs() it is what a graph
         # captures, and validation makes new tensors (a bool key_bias becomes a float one) that
         # must be made inside the capture, from the caller's tensors, not once outside it
-        return eager_call(lambda: pipeline.forward_output(*args), (q, k, v, key_bias, block_len, coarse_gate,
+        return eager_call(lambda: eager.forward_output(*args), (q, k, v, key_bias, block_len, coarse_gate,
                                                                 *(given if plan is not None else ())),
                           ("sol_attn", *args[3:7], *args[8:10], *args[12:-pipeline.PLAN_OPERANDS]))
     check_transforms("sol_attn", (q, k, v, key_bias, coarse_gate))

@@ -288,30 +288,16 @@ def forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],
     """The op's computation: ``(out, lse, resid, fused)``, where ``lse``, ``resid`` (in the
     backend's layout) and the CPU tensor ``fused`` are for the backward; ``want_lse``: a
     backward may follow; ``given``: the caller's plan (:func:`plan_operands`), or nothing."""
-    route = _routed(q, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
-                    prefix_mode, given)
+    route = routed(q, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
+                   prefix_mode, given)
     with torch.no_grad():  # the forward never records autograd
         lse, resid = backward_buffers(q, v, want_lse, route.rows())
         out, fused = run(route, q, k, v, coarse_gate, key_bias, block_len, backend or None, (lse, resid))
         return out, lse, resid, fused
 
 
-def forward_output(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],
-                   sink_blocks: Optional[List[int]], sink_q: Optional[List[int]], key_bias: Optional[Tensor],
-                   topk_ratio: float, tail: bool, block_len: Optional[Tensor], coarse_gate: Optional[Tensor],
-                   token_aug: int, backend: str, want_lse: bool, grid: Optional[List[int]], k_vid: int,
-                   segments: List[int], prefix_mode: str, *given: Optional[Tensor]) -> Tensor:
-    """:func:`forward`'s output alone, for a plain eager call that no backward follows (the same
-    arguments, ``want_lse`` False): the op's other outputs, which such a call drops, are not made
-    (two empty buffers and the CPU ``fused`` flag: three allocations per call)."""
-    route = _routed(q, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
-                    prefix_mode, given)
-    with torch.no_grad():
-        return run(route, q, k, v, coarse_gate, key_bias, block_len, backend or None)[0]
-
-
-def _routed(q: Tensor, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
-            prefix_mode, given) -> Route:
+def routed(q: Tensor, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
+           prefix_mode, given) -> Route:
     """The route of the op's arguments."""
     call = Call(tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode)
     return route_of(call, q.device, given)
@@ -341,7 +327,7 @@ def _(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, bloc
             fake_fused())
 
 
-def _setup_context(ctx, inputs, output):
+def setup_context(ctx, inputs, output):
     q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate, \
         token_aug, backend, want_lse, grid, k_vid, segments, prefix_mode, *given = inputs
     out, lse, resid, fused = output
@@ -361,8 +347,8 @@ def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, gr
     the backend that ran the forward, else a recomputation through a differentiable backend.
     ``given``: the caller's plan as tensors, or empty; ``settings``, ``plan``: the forward's
     context and kept plan, when the backward runs eagerly."""
-    route = _routed(q, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
-                    prefix_mode, given)
+    route = routed(q, tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments,
+                   prefix_mode, given)
     gate = coarse_gate
     own = own_backward(lse, fused)
     if own is None:
@@ -425,7 +411,7 @@ def _(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_ou
     return fake_grads(_grad_like(q, k, v, key_bias, coarse_gate, bias_grad, gate_grad), q)
 
 
-def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
+def op_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
     q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, *given = ctx.saved_tensors
     # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
     bias_grad = bool(ctx.needs_input_grad[7] and key_bias is not None and key_bias.is_floating_point())
@@ -441,4 +427,4 @@ def _backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
             None, *([None] * PLAN_OPERANDS))
 
 
-sol_attn_op.register_autograd(_backward, setup_context=_setup_context)
+sol_attn_op.register_autograd(op_backward, setup_context=setup_context)

@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import pipeline, tiling
+from . import eager, pipeline, tiling
 from .modes import check_transforms, eager_call, plain_eager
 from .routing import PREFIX_MODES, Plan, check_plan, vsa_topk_from_sparsity
 from .tiling import DEFAULT_CUBE, Grid, check_grid_cube, layout, num_cubes, tile, untile
@@ -82,12 +82,15 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     # sol_attn's arguments as VSA's route reads them: the scale and the gate (no tail, sinks, bias)
     args = (q, k, v, 1.0, None if scale is None else float(scale), None, None, None, 0.0, False, None, gate, 0,
             backend or "", want_lse, list(grid), int(k_vid), list(segments), prefix_mode, *given)
-    if not want_lse and plain_eager(q, k, v, gate):
+    direct = plain_eager(q, k, v, gate)
+    if want_lse and direct:
+        return eager.eager_autograd(*args)
+    if direct:
         # through the cuda_graphs() cache when one is active: the fused plan (CUDA, triton) has no
         # host syncs, other plans stay eager; the cached layout's tables are read too, so they key,
         # and so are a given plan's tensors (none without a plan: the op's padding is not read)
         tiles = layout(grid, DEFAULT_CUBE, segments, q.device)
-        return eager_call(lambda: pipeline.forward_output(*args),
+        return eager_call(lambda: eager.forward_output(*args),
                           (q, k, v, gate, *tiles[:3], tiles.block_len, *(given if plan is not None else ())),
                           ("video_sparse_attn", args[4], *args[13:-pipeline.PLAN_OPERANDS]))
     check_transforms("video_sparse_attn", (q, k, v, gate))

@@ -7,13 +7,14 @@ and safe from in-place use."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from solattn import config, kernels, pipeline
+from solattn import config, eager, kernels, pipeline
 from solattn.backends.triton import KernelConfig, TritonTuning
 from solattn.backends.triton.operands import _as
 from solattn.routing import fused
@@ -137,7 +138,7 @@ def test_video_problems_equal_the_validated_ones(segments, scale, gate):
 
 @pytest.mark.skipif(not triton_interpretable(), reason="needs Triton >= 3.9 for its CPU interpreter")
 def test_plain_eager_call_allocates_no_backward_outputs(monkeypatch):
-    """A plain eager call runs :func:`pipeline.forward_output`: its output is the op's (bit for
+    """A plain eager call runs :func:`solattn.eager.forward_output`: its output is the op's (bit for
     bit), and neither the op's empty ``(0,)`` backward buffers nor its CPU flag are made; the fused
     plan's shared zero centroid is still zeros after the calls."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -147,9 +148,9 @@ def test_plain_eager_call_allocates_no_backward_outputs(monkeypatch):
                   for i in range(4))
     args = (q, k, v, 1.0, None, None, None, None, 0.0, False, None, g, 0, "triton", False, list(grid), 2, segments,
             "exempt", *pipeline.plan_operands(None))
-    pipeline.forward_output(*args)                 # the layout's tables and the shared centroid: made once
+    eager.forward_output(*args)                 # the layout's tables and the shared centroid: made once
     with Dispatched() as fast:
-        out = pipeline.forward_output(*args)
+        out = eager.forward_output(*args)
     with Dispatched() as op:
         full = pipeline.forward(*args)
     assert torch.equal(out, full[0]) and full[1].shape == (0,) and full[3].shape == (2,)
@@ -183,3 +184,29 @@ def test_coarse_block_grads_in_batched_products_match_float64():
     names = collections.Counter(s[0] for s in ops.seen)
     assert names["bmm"] == 5 and not {"expand", "_unsafe_view", "zeros_like", "zeros", "add_"} & set(names), names
 
+
+@pytest.mark.skipif(not triton_interpretable(), reason="needs Triton >= 3.9 for its CPU interpreter")
+def test_plain_training_call_skips_the_custom_op_with_its_gradients(monkeypatch):
+    """A plain eager call that records autograd runs the op's autograd without the op
+    (:func:`solattn.eager.eager_autograd`); its output and gradients are the op's, bit for bit (the
+    op runs under a dispatch mode, here a FLOP counter)."""
+    import solattn
+    from torch.utils.flop_counter import FlopCounterMode
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    through_op = []
+    real = pipeline.sol_attn_op
+    monkeypatch.setattr(pipeline, "sol_attn_op", lambda *a: through_op.append(1) or real(*a))
+    grid, P = (2, 8, 8), 70
+    tensors = [torch.randn(1, P + 128, 2, 16, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+               for i in range(5)]
+    results = []
+    for mode in (None, FlopCounterMode(display=False)):
+        leaves = [t.clone().requires_grad_(True) for t in tensors[:4]]
+        with mode or contextlib.nullcontext():
+            out = solattn.video_sparse_attn(*leaves[:3], grid, topk=2, gate=leaves[3], prefix_len=P, backend="triton")
+            out.backward(tensors[4])
+        results.append([out] + [x.grad for x in leaves])
+        assert through_op == ([] if mode is None else [1])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
