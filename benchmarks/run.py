@@ -48,6 +48,9 @@ BENCHMARKS: Dict[str, Tuple[str, List[str], str]] = {
     "vsa": ("video_sparse_attn against dense SDPA and FastVideo's VSA op, forward and forward + backward",
             [sys.executable, "-m", "solattn", "bench", "--shapes", "vsa", "--backward", "--out", "{out}"],
             "bench.md"),
+    "host": ("host time of one eager call (triton backend): video_sparse_attn and sol_attn, forward and "
+             "forward + backward, with result digests",
+             [sys.executable, os.path.join(HERE, "bench_host.py"), "--out", "{out}"], "bench_host.md"),
     "distributed": ("solattn.distributed (sequence parallel over P GPUs) against one GPU",
                     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "{nproc}",
                      os.path.join(HERE, "bench_distributed.py"), "--out",
