@@ -7,7 +7,8 @@
     python benchmarks/bench_flex_cpu.py --preset amx --quick --out-dir DIR   # the same, on tiny shapes
 
 The contenders (dense ``F.scaled_dot_product_attention``, ``sol_attn`` with the automatic
-choice, the ``sdpa`` backend, as is and under other ``SdpaTuning``, and ``flex`` by name;
+choice, the ``sdpa`` backend, as is, under other ``SdpaTuning`` and on inputs in ``(B, H, T, D)``
+memory (``sdpa-heads``: keys and values gathered in place), and ``flex`` by name;
 ``--contenders``) run in rounds of rotating order. A row gives each one's median time, its
 ratio to dense in the same rounds (median of per-round ratios), flex's first call (compilation
 included, in a fresh compile cache unless ``--warm-cache``) and every output's error to the
@@ -55,7 +56,10 @@ from solattn.config import tuning  # noqa: E402
 from solattn.testing import block_structured_qkv, rel_l2  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
-CONTENDERS = ("dense", "auto", "sdpa", "sdpa-q32", "sdpa-par", "flex")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sdpa_probe import probe_lines  # noqa: E402
+
+CONTENDERS = ("dense", "auto", "sdpa", "sdpa-q32", "sdpa-par", "sdpa-heads", "flex")
 #: the sdpa backend under other settings (SdpaTuning): items of 32 query rows (no per-call
 #: repack of keys and values on AMX), and every op on all threads (the former thread use)
 SDPA_VARIANTS = {"sdpa-q32": SdpaTuning(query_rows=32), "sdpa-par": SdpaTuning(parallel_bytes=0, parallel_flops=0)}
@@ -79,18 +83,26 @@ def _inputs(B, T, H, D, dtype, seed=0):
     return block_structured_qkv(B, T, H, D, dtype, "cpu", seed=seed, spread=3.0, key_offset=4.0, normalise=True)
 
 
+def _layouts(args, *xs):
+    """``[as given, the same values in (B, H, T, D) memory viewed as (B, T, H, D)]``, the second
+    (hosts that attend in that layout pass their tensors so) only for the sdpa-heads contender."""
+    return [xs, tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs)
+            if "sdpa-heads" in args.contenders else None]
+
+
 def problems(args):
-    """Dicts: label, call(backend name or None) -> output, dense call, reference call, plan,
-    (B, T, H, D), heads compared."""
+    """Dicts: label, call(backend name or None, heads=False) -> output, dense call, reference
+    call, plan, (B, T, H, D), heads compared."""
     B, T, H, D, dt = 1, args.T, args.H, args.D, getattr(torch, args.dtype)
     h = min(H, args.ref_heads)
     q, k, v = _inputs(B, T, H, D, dt)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    qkv = _layouts(args, q, k, v)
     for label, kw in (("top-k 10 %", dict(topk_ratio=0.1, tail=False)),
                       ("top-k 20 %", dict(topk_ratio=0.2, tail=False)),
                       ("tau 1, tail", dict(tau=1.0, tail=True))):
-        def call(name, kw=kw):
-            return solattn.sol_attn(q, k, v, backend=name, **kw)
+        def call(name, heads=False, kw=kw):
+            return solattn.sol_attn(*qkv[heads], backend=name, **kw)
 
         def ref(kw=kw):
             return solattn.sol_attn(*(x[:, :, :h].float() for x in (q, k, v)), backend="reference", **kw)
@@ -103,8 +115,8 @@ def problems(args):
         gate = torch.randn(B, Tv, H, D, generator=torch.Generator().manual_seed(2)).to(dt)
         qvt, kvt, vvt = (x.transpose(1, 2) for x in (qv, kv, vv))
 
-        def call(name, q=qv, k=kv, v=vv, gate=gate, grid=grid):
-            return solattn.video_sparse_attn(q, k, v, grid, sparsity=0.9, gate=gate, backend=name)
+        def call(name, heads=False, qkv=_layouts(args, qv, kv, vv), gate=gate, grid=grid):
+            return solattn.video_sparse_attn(*qkv[heads], grid, sparsity=0.9, gate=gate, backend=name)
 
         def ref(q=qv, k=kv, v=vv, gate=gate, grid=grid):
             q32, k32, v32, g32 = (x[:, :, :h].float() for x in (q, k, v, gate))
@@ -122,6 +134,8 @@ def run(pb, name: str):
     if name in SDPA_VARIANTS:
         with tuning(SDPA_VARIANTS[name]):
             return pb["call"]("sdpa")
+    if name == "sdpa-heads":
+        return pb["call"]("sdpa", heads=True)
     return pb["call"](None if name == "auto" else name)
 
 
@@ -224,53 +238,6 @@ def measure(args, loaded: bool, deadline: float, on_row) -> list:
             stop.set()
             spinner.join(5)
     return rows
-
-
-def probe_lines(args) -> list:
-    """Single SDPA calls shaped as the sdpa backend's (items of 64 query rows against ``c`` kept key
-    blocks; as heads; as 32-row items sharing stride-0 keys, ``SdpaTuning(query_rows=32)``; with
-    an fp32 mask, as with the tail) and the dense call, all threads and one."""
-    dt, D, H, T = getattr(torch, args.dtype), args.D, args.H, args.T
-    c = max(1, round(0.1 * T / 64) + 2)          # ~ top-k 10 % plus the forced neighbours
-    L = c * 64
-    nr = max(1, (32 << 20) // (2 * L * D * torch.finfo(dt).bits // 8))     # a 32 MB chunk of k and v
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(nr, 1, n, D, generator=g).to(dt) for n in (64, L, L))
-    mask = torch.zeros(nr, 1, 1, L)
-    qd, kd, vd = (torch.randn(1, H, T, D, generator=g).to(dt) for _ in range(3))
-    flops = 4.0 * nr * 64 * L * D
-    q32, k32, v32 = q.view(nr, 2, 32, D), k.expand(nr, 2, L, D), v.expand(nr, 2, L, D)
-    cases = {f"items ({nr}, 1, 64, {D}) x ({nr}, 1, {L}, {D})": (lambda: F.scaled_dot_product_attention(q, k, v), flops),
-             "the same as heads (1, nr, ...)": (lambda: F.scaled_dot_product_attention(
-                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)), flops),
-             f"32-row items ({nr}, 2, 32, {D}), stride-0 keys": (lambda: F.scaled_dot_product_attention(
-                 q32, k32, v32), flops),
-             "items with an fp32 mask (nr, 1, 1, L)": (lambda: F.scaled_dot_product_attention(
-                 q, k, v, attn_mask=mask), flops),
-             f"dense (1, {H}, {T}, {D})": (lambda: F.scaled_dot_product_attention(qd, kd, vd), 4.0 * H * T * T * D)}
-    lines = ["## probe: the sdpa backend's SDPA call shapes against dense SDPA", "",
-             f"{args.dtype}, one 32 MB chunk of the sdpa backend at ~top-k 10 % of T={T} ({c} key blocks per "
-             "query block), and the dense call. Median of 3 calls after one.", "",
-             "| call | threads | ms | GFLOP/s |", "|---|---|---|---|"]
-    threads = torch.get_num_threads()
-    for nt in sorted({threads, 1}, reverse=True):
-        torch.set_num_threads(nt)
-        try:
-            for label, (fn, fl) in cases.items():
-                if nt == 1 and label.startswith("dense") and T > 4096:
-                    continue                              # seconds on one thread, says nothing new
-                fn()
-                ts = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    fn()
-                    ts.append(time.perf_counter() - t0)
-                ms = statistics.median(ts) * 1e3
-                lines.append(f"| {label} | {nt} | {ms:.2f} | {fl / ms / 1e6:.0f} |")
-                log(f"  probe {label}, {nt} threads: {ms:.2f} ms")
-        finally:
-            torch.set_num_threads(threads)
-    return lines + [""]
 
 
 def profile_tables(args) -> list:
@@ -380,7 +347,8 @@ def parse(argv=None):
                     help="VSA grids t,h,w (default 32k and 64k tokens); none to skip")
     ap.add_argument("--contenders", default="dense,auto,sdpa,flex",
                     help=f"comma-separated, from {','.join(CONTENDERS)} (dense is always timed; sdpa-q32: "
-                    "SdpaTuning(query_rows=32), sdpa-par: every op of the sdpa backend on all threads)")
+                    "SdpaTuning(query_rows=32), sdpa-par: every op of the sdpa backend on all threads, "
+                    "sdpa-heads: q, k, v in (B, H, T, D) memory)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per problem (default 5)")
     ap.add_argument("--ref-heads", type=int, default=2, help="heads compared with the reference (default 2)")
     ap.add_argument("--no-loaded", action="store_true", help="skip the loaded pass")
@@ -428,7 +396,7 @@ def main(argv=None) -> int:
             f.write("\n".join(head + done + list(extra)) + "\n")
 
     if args.probe:                 # first: seconds, and kept if a later row runs past an outer limit
-        done += probe_lines(args)
+        done += probe_lines(args, log)
         write()
     passes = [("quiet", False)] + ([] if args.no_loaded else [("loaded (a busy loop on one core)", True)])
     for title, loaded in passes:
