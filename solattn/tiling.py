@@ -40,6 +40,8 @@ def _check_triple(fn: str, arg: str, value, what: str) -> Grid:
 
 def check_grid_cube(fn: str, grid, cube) -> Tuple[Grid, Grid]:
     grid = _check_triple(fn, "grid", grid, "(t, h, w), the latent grid")
+    if cube is DEFAULT_CUBE:                     # the module's (4, 4, 4): nothing to check per call
+        return grid, cube
     cube = _check_triple(fn, "cube", cube, f"(ct, ch, cw) whose product is {BLOCK} (one routing block)")
     if math.prod(cube) != BLOCK:
         _fail(fn, "cube", f"{cube} (volume {math.prod(cube)})",

@@ -106,7 +106,8 @@ def _video_route(grid, segments, scale=None):
     return pipeline.VideoRoute(call, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("segments, scale, gate", [((70, 5), None, "tensor"), ((), 0.3, "constant"), ((64,), None, None)])
+@pytest.mark.parametrize("segments, scale, gate",
+                         [((70, 5), None, "tensor"), ((), 0.3, "constant"), ((64,), None, None)])
 def test_video_problems_equal_the_validated_ones(segments, scale, gate):
     """The route builds its problems without validate(): field for field what validate() and the
     layout give, on the row table and on tiled copies."""
@@ -183,6 +184,38 @@ def test_coarse_block_grads_in_batched_products_match_float64():
         torch.testing.assert_close(chunked, got, rtol=1e-5, atol=1e-6)
     names = collections.Counter(s[0] for s in ops.seen)
     assert names["bmm"] == 5 and not {"expand", "_unsafe_view", "zeros_like", "zeros", "add_"} & set(names), names
+    rows3 = [t.reshape(B * H, n, D) for t in (qm, km, vm, dco)]        # (B * H, n, D) in, the same out
+    with Dispatched() as ops:
+        flat = coarse_block_grads(*rows3, scale)
+    assert "view" not in {s[0] for s in ops.seen}
+    for got, ref in zip(flat, whole):
+        assert got.shape == (B * H, n, D) and torch.equal(got, ref.reshape(B * H, n, D))
+
+
+def test_dense_mask_and_query_lists_equal_a_loop():
+    """The selection's dense mask (its padding read through the shared int32 arange) and the
+    transposed lists, against a Python loop over the listed blocks."""
+    from solattn.routing import Plan
+    B, H, n, M = 2, 2, 6, 6
+    g = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, M + 1, (B, H, n), generator=g, dtype=torch.int32)
+    idx = torch.zeros(B, H, n, M, dtype=torch.int32)
+    want = torch.zeros(B, H, n, n, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for i in range(n):
+                picked = torch.randperm(n, generator=g)[:int(counts[b, h, i])].sort().values
+                idx[b, h, i, :len(picked)] = picked.int()
+                want[b, h, i, picked] = True
+    plan = Plan(kv_num_blocks=counts, kv_indices=idx, block_len=torch.full((n,), 64, dtype=torch.int32),
+                key_mean=torch.zeros(B, H, 1, 8), tail_lse=None, tail_value=None, coarse=None,
+                touches_dead=torch.zeros(B, H, n, dtype=torch.bool), seq_len=n * 64)
+    assert torch.equal(plan.dense_mask(), want)
+    q_num, q_idx = plan.query_lists()
+    assert torch.equal(q_num, want.transpose(-1, -2).sum(-1, dtype=torch.int32))
+    for b, h, j in ((b, h, j) for b in range(B) for h in range(H) for j in range(n)):
+        rows = want[b, h, :, j].nonzero().flatten().int()
+        assert torch.equal(q_idx[b, h, j, :len(rows)], rows) and not q_idx[b, h, j, len(rows):].any()
 
 
 @pytest.mark.skipif(not triton_interpretable(), reason="needs Triton >= 3.9 for its CPU interpreter")

@@ -33,12 +33,13 @@ def coarse_block_grads(qm: Tensor, km: Tensor, vm: Tensor, dcoarse: Tensor, scal
                        nbytes: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dqm, dkm, dvm)``, fp32 ``(B, H, n, D)``: the gradients of the block means ``qm``, ``km``,
     ``vm`` (fp32 ``(B, H, n, D)``) through the coarse term, given its gradient ``dcoarse``
-    (``(B, H, n, D)``). ``nbytes`` bounds one chunk's temporaries (default: the ``sdpa`` memory
-    budget in force). Batched products (``torch.bmm``, no broadcasting reshapes); a problem that
-    fits one chunk is computed without staging buffers."""
-    B, H, n, D = qm.shape
-    G = B * H
-    qm, km, vm, dco = (x.reshape(G, n, D).to(torch.float32) for x in (qm, km, vm, dcoarse))
+    (``(B, H, n, D)``); all may be ``(B * H, n, D)`` instead, the results then too. ``nbytes``
+    bounds one chunk's temporaries (default: the ``sdpa`` memory budget in force). Batched
+    products (``torch.bmm``, no broadcasting reshapes); a problem that fits one chunk is computed
+    without staging buffers."""
+    *lead, n, D = qm.shape
+    G = qm.numel() // (n * D)
+    qm, km, vm, dco = ((x if x.dim() == 3 else x.reshape(G, n, D)).to(torch.float32) for x in (qm, km, vm, dcoarse))
     nbytes = current_budget("sdpa") if nbytes is None else nbytes
     chunks = list(plan_chunks(G, n, nbytes))
     if len(chunks) == 1:
@@ -56,7 +57,7 @@ def coarse_block_grads(qm: Tensor, km: Tensor, vm: Tensor, dcoarse: Tensor, scal
             dqm[g0:g1, i0:i1] = torch.bmm(ds, km[g0:g1]).mul_(scale)
             dkm[g0:g1].add_(torch.bmm(ds.transpose(-1, -2), qm[g0:g1, i0:i1]), alpha=scale)
             dvm[g0:g1].add_(torch.bmm(a.transpose(-1, -2), rows))
-    return tuple(x.view(B, H, n, D) for x in (dqm, dkm, dvm))
+    return (dqm, dkm, dvm) if len(lead) == 1 else tuple(x.view(*lead, n, D) for x in (dqm, dkm, dvm))
 
 
 def _softmax_grads(qm: Tensor, km: Tensor, vm: Tensor, dco: Tensor, scale: float) -> Tuple[Tensor, Tensor]:

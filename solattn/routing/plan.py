@@ -125,8 +125,8 @@ class Plan:
     def dense_mask(self) -> torch.Tensor:
         """The selection as a ``(B, H, n, n)`` bool block mask (allocated on each call)."""
         n, M = self.n, self.kv_indices.shape[-1]
-        used = torch.arange(M, device=self.kv_indices.device) < self.kv_num_blocks[..., None]
-        cols = torch.where(used, self.kv_indices.long(), n)               # padding -> scratch column n
+        padding = _arange(M, self.kv_indices.device) >= self.kv_num_blocks[..., None]
+        cols = self.kv_indices.long().masked_fill_(padding, n)            # padding -> scratch column n
         mask = torch.zeros(*self.kv_num_blocks.shape, n + 1, dtype=torch.bool, device=cols.device)
         return mask.scatter_(-1, cols, True)[..., :n]
 

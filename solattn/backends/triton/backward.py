@@ -235,9 +235,9 @@ def sol_attn_bwd_dkdv(
 
 def coarse_row_grads(problem: Problem, plan, means: torch.Tensor, dcoarse: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """The coarse branch's share of a live row's ``(dq, dk, dv)`` in each block, fp32 contiguous
-    ``(B, H, n, D)``: its gradient ``dcoarse`` carried through the softmax over the block means
-    ``means`` (``(3, B, H, n, D)``: those of q, k, v; both from :func:`sol_attn_bwd_dq`), see
-    :func:`solattn.routing.coarse_grad.coarse_block_grads`."""
+    ``(B * H, n, D)``: its gradient ``dcoarse`` ``(B * H, n, D)`` carried through the softmax over the
+    block means ``means`` (``(3, B * H, n, D)``: those of q, k, v; both from
+    :func:`sol_attn_bwd_dq`), see :func:`solattn.routing.coarse_grad.coarse_block_grads`."""
     from ...routing.coarse_grad import coarse_block_grads, per_rows
     return per_rows(coarse_block_grads(means[0], means[1], means[2], dcoarse, problem.scale), plan.block_len)
 
@@ -298,8 +298,9 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         dtl = torch.empty((B, H, n), dtype=f32, device=dev) if ops.has_tail else dummy
         dtv = torch.empty((B, H, n, D), dtype=f32, device=dev) if ops.has_tail else dummy
         dkm = torch.empty((B, H, n, D), dtype=f32, device=dev) if ops.has_tail else dummy
-        dco = torch.empty((B, H, n, D), dtype=f32, device=dev) if ops.has_coarse else dummy
-        means = torch.empty((3, B, H, n, D), dtype=f32, device=dev) if ops.has_coarse else dummy
+        # (B * H, n, D) rows, the layout of (B, H, n, D): the batched products read them without views
+        dco = torch.empty((B * H, n, D), dtype=f32, device=dev) if ops.has_coarse else dummy
+        means = torch.empty((3, B * H, n, D), dtype=f32, device=dev) if ops.has_coarse else dummy
         qk_scale = problem.scale * LOG2E
         grid = (n, B * H)
         # the long programs first (kernel.program_ids), as the forward runs them: query blocks that
