@@ -328,7 +328,8 @@ def environment() -> list:
             f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}",
             f"- torch {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, "
             f"AMX usable: {flex.amx_usable()}, ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(unset)')}, "
-            f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')}",
+            f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')}, "
+            f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '(unset)')}",
             f"- automatic CPU order: {' > '.join(dispatch.priority('cpu'))}",
             f"- compile cache: {'warm (existing)' if '--warm-cache' in sys.argv else 'cold (fresh directory)'}"]
 
