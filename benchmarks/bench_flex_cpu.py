@@ -62,7 +62,8 @@ from sdpa_probe import probe_lines  # noqa: E402
 CONTENDERS = ("dense", "auto", "sdpa", "sdpa-q32", "sdpa-par", "sdpa-heads", "flex")
 #: the sdpa backend under other settings (SdpaTuning): items of 32 query rows (no per-call
 #: repack of keys and values on AMX), and every op on all threads (the former thread use)
-SDPA_VARIANTS = {"sdpa-q32": SdpaTuning(query_rows=32), "sdpa-par": SdpaTuning(parallel_bytes=0, parallel_flops=0)}
+SDPA_VARIANTS = {"sdpa-q32": SdpaTuning(query_rows=32),
+                 "sdpa-par": SdpaTuning(parallel_bytes=0, parallel_flops=0, chunk_threads=1)}
 PRESETS = {"amx": dict(T=8192, H=16, D=128, dtype="bfloat16", vsa=["8,64,64", "16,64,64"], repeats=3,
                        ref_heads=1, no_loaded=True, contenders="dense,sdpa,sdpa-q32,sdpa-par,flex", probe=True,
                        profile=True, time_limit=160.0)}

@@ -674,7 +674,8 @@ def test_sdpa_query_rows_split_gives_the_same_output_and_gradients(monkeypatch, 
 
 @pytest.mark.parametrize("kwargs, kind", [(dict(query_rows=24), ValueError), (dict(query_rows=0), ValueError),
                                           (dict(query_rows=32.0), TypeError), (dict(parallel_bytes=-1), ValueError),
-                                          (dict(parallel_flops=True), TypeError)])
+                                          (dict(parallel_flops=True), TypeError), (dict(chunk_threads=0), ValueError),
+                                          (dict(chunk_threads=2.0), TypeError)])
 def test_sdpa_tuning_rejects_bad_values(kwargs, kind):
     from solattn.backends.sdpa import SdpaTuning
     name = next(iter(kwargs))

@@ -16,6 +16,21 @@ from solattn.testing import make_qkv, rel_l2
 from solattn.validation import validate
 
 
+def _tail_call_with_threads(threads: int, tune, seed: int):
+    """``(sol_attn on sdpa with the tail under tuning tune with the caller at threads threads,
+    the caller's thread count after it, the reference's output)``, bf16, B=1 T=320 H=2 D=32."""
+    q, k, v = make_qkv(1, 320, 2, 32, dtype=torch.bfloat16, seed=seed)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with tuning(tune):
+            out = solattn.sol_attn(q, k, v, topk_ratio=0.25, tail=True, backend="sdpa")
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    return out, after, solattn.sol_attn(q, k, v, topk_ratio=0.25, tail=True, backend="reference")
+
+
 @pytest.mark.parametrize("tail", [False, True])
 @pytest.mark.parametrize("pairs", [2, 6])
 def test_sdpa_queries_are_sliced_and_output_gathered_per_run(monkeypatch, tail, pairs):
@@ -62,16 +77,9 @@ def test_sdpa_tail_residual_pass_takes_the_callers_threads_when_large(monkeypatc
     seen = []
     real = torch.einsum
     monkeypatch.setattr(torch, "einsum", lambda *a, **kw: seen.append(torch.get_num_threads()) or real(*a, **kw))
-    q, k, v = make_qkv(1, 256, 2, 32, dtype=torch.bfloat16, seed=5)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        with tuning(SdpaTuning(parallel_bytes=parallel_bytes)):
-            out = solattn.sol_attn(q, k, v, topk_ratio=0.25, tail=True, backend="sdpa")
-    finally:
-        torch.set_num_threads(threads)
+    out, after, want = _tail_call_with_threads(3, SdpaTuning(parallel_bytes=parallel_bytes), seed=5)
+    assert after == 3
     assert seen and set(seen) == ({3} if parallel_bytes == 0 else {1})
-    want = solattn.sol_attn(q, k, v, topk_ratio=0.25, tail=True, backend="reference")
     assert rel_l2(out, want) < TOL[torch.bfloat16]
 
 
@@ -106,4 +114,23 @@ def test_sdpa_heads_first_keys_and_values_are_read_in_place(monkeypatch, tail, p
     assert in_place and not any(in_place)
     assert rel_l2(out, copied) < 1e-6
     want = solattn.sol_attn(q, k, v, backend="reference", **kw)
+    assert rel_l2(out, want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("chunk_threads", [4, 5])
+def test_sdpa_per_chunk_passes_take_the_callers_threads_from_chunk_threads(monkeypatch, chunk_threads):
+    """A chunk's output copy and its mask (here the tail's) run with the caller's threads where it
+    has SdpaTuning.chunk_threads or more (4 by default; the caller here has 4), else on the
+    forward's one thread; the output is the reference's either way."""
+    from solattn.backends.sdpa import SdpaTuning, forward, layout
+    seen = {"put": [], "mask": []}
+    real_put, real_tail = layout.QueryBlocks.put, forward.append_tail
+    monkeypatch.setattr(layout.QueryBlocks, "put",
+                        lambda self, *a: seen["put"].append(torch.get_num_threads()) or real_put(self, *a))
+    monkeypatch.setattr(forward, "append_tail",
+                        lambda *a, **kw: seen["mask"].append(torch.get_num_threads()) or real_tail(*a, **kw))
+    out, after, want = _tail_call_with_threads(4, SdpaTuning(chunk_threads=chunk_threads), seed=6)
+    assert after == 4
+    for name in ("put", "mask"):
+        assert seen[name] and set(seen[name]) == ({4} if chunk_threads == 4 else {1}), name
     assert rel_l2(out, want) < TOL[torch.bfloat16]

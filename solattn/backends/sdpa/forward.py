@@ -50,6 +50,7 @@ class _Call:
     mdt: torch.dtype
     work: Workspace
     tune: SdpaTuning
+    wide: bool                         # the caller has SdpaTuning.chunk_threads threads or more
     tail_mean: Optional[torch.Tensor] = None  # (B H n,) fp32 mean tail residual per query block
 
 
@@ -68,11 +69,12 @@ def sdpa_forward(p: Problem, plan: Plan, nbytes: Optional[int] = None) -> torch.
     """SPEC.md's output for ``p`` from ``plan`` through SDPA. ``(B, T, H, D)``, v's dtype.
 
     On the CPU: one intra-op thread but for the ops at or above :class:`SdpaTuning`'s thresholds."""
+    threads = torch.get_num_threads()
     with serial_cpu(p.device.type == "cpu"):
-        return _forward(p, plan, nbytes)
+        return _forward(p, plan, nbytes, threads)
 
 
-def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
+def _forward(p: Problem, plan: Plan, nbytes: Optional[int], threads: int) -> torch.Tensor:
     B, T, H, D, n = p.B, p.T, p.H, p.D, p.n
     dev, dt = p.device, p.dtype
     nbytes = nbytes or budget.bytes
@@ -87,6 +89,7 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
     # replayed through as_strided too)
     flat = new_output((B * T * H, D), dt, dev)
     mdt = masks.mask_dtype(dev, dt)
+    tune = current_tuning(SdpaTuning)
     call = _Call(p=p, plan=plan, q=RowTable(p.q), k=RowTable(p.k), v=RowTable(p.v),
                  out=RowTable(flat.view(B, T, H, D)),
                  indices=plan.kv_indices.reshape(B * H * n, -1).long(),
@@ -94,7 +97,7 @@ def _forward(p: Problem, plan: Plan, nbytes: Optional[int]) -> torch.Tensor:
                  slot_entries=(None if slot_bias is None or masks.all_keys_can_die(p)
                                else slot_bias.flatten(0, 1).to(mdt)),
                  live=live_token_mask(plan.block_len) if p.block_len is not None else None,
-                 mdt=mdt, work=Workspace(enabled=not grad), tune=current_tuning(SdpaTuning))
+                 mdt=mdt, work=Workspace(enabled=not grad), tune=tune, wide=threads >= tune.chunk_threads)
     masked = needs_mask(plan, p.key_bias is not None, tail)
     rows = torch.arange(B * H * n, device=dev)
     chunk_budget = nbytes - fixed_bytes(B, T, H, n, 0 if slot_bias is None else slot_bias.shape[0],
@@ -226,8 +229,9 @@ def _attend_rows(call: _Call, g: Group, sl: _Slice, s: ChunkShape, flat: torch.T
     else:
         o = checkpoint(_chunk_output, call, g, sl, s, kv, use_reentrant=False,
                        preserve_rng_state=False)                # nothing random inside
-    if sl.q_pos is not None:     # one thread: a chunk's output is small, a parallel region costs more
-        kv.q.put(sl.q_pos, o)    # where other processes keep the cores busy (see SdpaTuning)
+    if sl.q_pos is not None:
+        with parallel_cpu(_chunk_parallel(call, o.numel() * o.element_size())):
+            kv.q.put(sl.q_pos, o)
     else:
         flat.index_copy_(0, sl.out_rows.reshape(-1), o.reshape(-1, call.p.D))
 
@@ -253,7 +257,7 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
         k_rows = call.k.block_rows(b, h, blocks)                             # (nr, count * 64)
         v_rows = (call.v.block_rows(b, h, blocks) if call.v.row_strides != call.k.row_strides
                   else k_rows)
-        if s.tail:  # slots for the tail rows, overwritten in _append_tail
+        if s.tail:  # slots for the tail rows, overwritten in append_tail
             k_rows = torch.cat([k_rows, k_rows[:, :TAIL_ROWS]], dim=1)
             v_rows = torch.cat([v_rows, v_rows[:, :TAIL_ROWS]], dim=1)
         k = call.k.gather(k_rows, work, "k")                                 # (nr, L, D)
@@ -266,26 +270,41 @@ def _chunk_output(call: _Call, g: Group, sl: _Slice, s: ChunkShape, kv) -> torch
 
     mask = dead = None
     if g.masked:
-        if s.tail:
-            base = None
-            if call.slot_entries is not None:
-                base = _slot_rows(call, b, blocks, call.slot_entries)        # mask dtype, 0 / -inf
-            elif call.slot_bias is not None:
-                base = _key_bias_rows(call, b, blocks)
-            k, v, mask, dead = append_tail(call, q, k, v, base, sl.tail, zeroed=kv is not None)
-        elif call.slot_entries is not None:      # dead slots only: the entries as they are
-            mask = _slot_rows(call, b, blocks, call.slot_entries)[:, None, None, :]
-        else:
-            base = _key_bias_rows(call, b, blocks)                           # (nr, count * 64) fp32
-            if masks.all_keys_can_die(p):
-                dead = torch.isneginf(base).all(dim=1)[:, None]              # (nr, 1)
-            mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
+        with parallel_cpu(_chunk_parallel(call, sl.N * (s.q_rows if s.row_mask else 1) * s.keys * 4)):
+            k, v, mask, dead = _chunk_mask(call, sl, s, q, k, v, kv is not None)
     o = _sdpa(call, q, k, v, mask)                                       # (nr, Lq, D)
     # every term -inf: SPEC.md says 0, not NaN. Off the CPU the select runs unconditionally:
     # testing for a dead row first would stall the device queue once per SDPA call.
     if dead is not None and (o.device.type != "cpu" or bool(dead.any())):
         o = torch.where(dead[..., None], torch.zeros((), dtype=o.dtype, device=o.device), o)
     return o
+
+
+def _chunk_parallel(call: _Call, nbytes: int) -> bool:
+    """Whether a small per-chunk pass of ``nbytes`` takes the caller's threads (SdpaTuning.chunk_threads)."""
+    return call.wide and nbytes >= call.tune.parallel_bytes
+
+
+def _chunk_mask(call: _Call, sl: _Slice, s: ChunkShape, q, k, v, from_layouts: bool):
+    """``(k, v, mask, dead)`` of a masked chunk: the tail slots filled (see :func:`.tail.append_tail`)
+    or the key bias and dead slots as a mask; ``dead``: query rows that lose every term, or None."""
+    p, b, blocks = call.p, sl.b, sl.blocks
+    mask = dead = None
+    if s.tail:
+        base = None
+        if call.slot_entries is not None:
+            base = _slot_rows(call, b, blocks, call.slot_entries)            # mask dtype, 0 / -inf
+        elif call.slot_bias is not None:
+            base = _key_bias_rows(call, b, blocks)
+        k, v, mask, dead = append_tail(call, q, k, v, base, sl.tail, zeroed=from_layouts)
+    elif call.slot_entries is not None:          # dead slots only: the entries as they are
+        mask = _slot_rows(call, b, blocks, call.slot_entries)[:, None, None, :]
+    else:
+        base = _key_bias_rows(call, b, blocks)                               # (nr, count * 64) fp32
+        if masks.all_keys_can_die(p):
+            dead = torch.isneginf(base).all(dim=1)[:, None]                  # (nr, 1)
+        mask = masks.finish_mask(base, call.mdt)[:, None, None, :]
+    return k, v, mask, dead
 
 
 def _sdpa(call: _Call, q, k, v, mask) -> torch.Tensor:

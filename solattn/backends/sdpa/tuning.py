@@ -38,14 +38,22 @@ class SdpaTuning(Tuning):
       every parallel region waits for its descheduled workers, and ``parallel_bytes=16 << 20,
       parallel_flops=1 << 26`` (ops of about 2 ms or more on one thread) is faster: 5.17x
       against 3.00x dense there on the loaded 2-core CPU.
+    - ``chunk_threads``: the small per-chunk passes (a chunk's output written back over its
+      queries, the mask of a chunk with the tail or a key bias: each well under a millisecond on
+      one thread) take the caller's threads only where it has at least this many (and they reach
+      ``parallel_bytes``). Left on one thread they were the largest one-threaded stretch of a
+      call on a 16-core AMX Xeon (the output copies: 4.8 ms of a 97 ms call at B=1 T=8192 H=16
+      D=128 bf16 top-k 10 %); on a 2-core CPU that other processes keep busy, each parallel
+      region a chunk adds waits for descheduled workers (~8 ms each).
     """
 
     query_rows: int = BLOCK
     parallel_bytes: int = 0
     parallel_flops: int = 0
+    chunk_threads: int = 4
 
     def __post_init__(self):
-        for name in ("query_rows", "parallel_bytes", "parallel_flops"):
+        for name in ("query_rows", "parallel_bytes", "parallel_flops", "chunk_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 _fail(name, value, "an int", TypeError)
@@ -54,3 +62,5 @@ class SdpaTuning(Tuning):
         for name in ("parallel_bytes", "parallel_flops"):
             if getattr(self, name) < 0:
                 _fail(name, getattr(self, name), "an int >= 0")
+        if self.chunk_threads < 1:
+            _fail("chunk_threads", self.chunk_threads, "an int >= 1")
