@@ -7,6 +7,7 @@ traces with fake tensors. Backends never re-validate these basics.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -65,7 +66,7 @@ class Problem:
     def B(self) -> int:
         return self.q.shape[0]
 
-    @property
+    @functools.cached_property          # kept in the instance's __dict__: read many times per call
     def T(self) -> int:
         return self.q.shape[1] if self.rows is None else self.rows.shape[0]
 
@@ -77,7 +78,7 @@ class Problem:
     def D(self) -> int:
         return self.q.shape[3]
 
-    @property
+    @functools.cached_property
     def n(self) -> int:
         return num_blocks(self.T)
 

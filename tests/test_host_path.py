@@ -243,3 +243,13 @@ def test_plain_training_call_skips_the_custom_op_with_its_gradients(monkeypatch)
         assert through_op == ([] if mode is None else [1])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_problem_rows_and_blocks_are_kept_per_problem():
+    """``Problem.T`` and ``Problem.n`` are computed once per problem and kept; a problem made from
+    it with another row table has its own."""
+    q = torch.randn(1, 130, 2, 16)
+    p = validate(q, q, q)
+    assert (p.T, p.n) == (130, 3) and {"T", "n"} <= set(vars(p))
+    r = dataclasses.replace(p, rows=torch.arange(256))
+    assert (r.T, r.n) == (256, 4) and (p.T, p.n) == (130, 3)
