@@ -3,6 +3,7 @@ forward and forward + backward, with the GPU kept busy so that the call never wa
 
     python benchmarks/bench_host.py --out DIR               # a CUDA GPU: H3 and 8192-token shapes, ~1 min
     python benchmarks/bench_host.py --dry-run --out DIR     # tiny shapes on the CPU (TRITON_INTERPRET=1)
+    python benchmarks/bench_host.py --only "H3 VSA" --profile --out DIR   # and where its host time goes
 
 Each timed call is queued behind a GPU spin kernel (``torch.cuda._sleep``) longer than the call's
 host work, and timed with ``time.perf_counter`` without synchronising: what the Python side of the
@@ -79,7 +80,7 @@ def measure(fn, device: torch.device, repeats: int, busy_cycles: int):
     return statistics.median(host) * 1e3, statistics.median(gpu) * 1e3
 
 
-def run(problems, device: torch.device, repeats: int, busy_cycles: int):
+def run(problems, device: torch.device, repeats: int, busy_cycles: int, profile: bool = False):
     rows = []
     for label, p in problems:
         (q, k, v, gate), call = call_of(label, p, device)
@@ -103,7 +104,18 @@ def run(problems, device: torch.device, repeats: int, busy_cycles: int):
             result = [forward()] if name == "forward" else [x.grad for x in leaves if x is not None]
             rows.append((label, name, host, gpu, digest(result)))
             print(f"{label} {name}: host {host:.3f} ms, gpu {gpu:.3f} ms, sha {rows[-1][-1]}", flush=True)
+            if profile:
+                print(host_profile(fn), flush=True)
     return rows
+
+
+def host_profile(fn, rows: int = 40) -> str:
+    """One call under the PyTorch profiler (CPU side, every thread: the backward runs on autograd's
+    device thread), Python functions included, as a table by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        fn()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
 def markdown(rows, device: torch.device, repeats: int) -> str:
@@ -124,6 +136,9 @@ def main(argv=None) -> int:
     ap.add_argument("--busy-cycles", type=int, default=100_000_000,
                     help="GPU cycles of the spin kernel before each host-timed call (about 50 ms on an H200)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each row's host time by function and op (one call under the PyTorch profiler)")
+    ap.add_argument("--only", default="", help="rows whose problem contains this text (e.g. 'H3 VSA')")
     args = ap.parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -132,7 +147,8 @@ def main(argv=None) -> int:
         device, problems = torch.device("cuda"), PROBLEMS
     else:
         ap.error("needs a CUDA GPU (or --dry-run)")
-    rows = run(problems, device, args.repeats, args.busy_cycles)
+    problems = [(label, p) for label, p in problems if args.only in label]
+    rows = run(problems, device, args.repeats, args.busy_cycles, args.profile)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_host.md"), "w") as f:
         f.write(markdown(rows, device, args.repeats))
