@@ -66,7 +66,7 @@ class _PlanHandoff:
             return None
         waiting = getattr(self._slot, "value", None)
         self._slot.value = None
-        token = int(fused[0])
+        token = fused.tolist()[0]          # read in place: no select or item op
         return waiting[1] if waiting is not None and token and waiting[0] == token else None
 
 
@@ -113,7 +113,7 @@ def run_for_backward(chosen: Backend, problem: Problem, plan, lse: Tensor, resid
 def own_backward(lse: Tensor, fused: Tensor) -> Optional[Backend]:
     """The backend whose own backward differentiates a forward that returned ``lse`` and
     ``fused`` (:func:`run_for_backward`), or None when the backward recomputes."""
-    which = int(fused[1]) if lse.numel() else 0
+    which = fused.tolist()[1] if lse.numel() else 0
     return dispatch.get_backend(_OWN_BACKWARD[which - 1]) if which else None
 
 
