@@ -1,9 +1,10 @@
 """How a call reaches the op layer: the plain eager fast path, tracing, transforms, dispatch modes.
 
-A plain eager call (no gradient, tracing, tensor subclass or dispatch mode, see
-:func:`plain_eager`) runs the op's computation directly, through the active
-:func:`solattn.graphs.cuda_graphs` cache when there is one; everything else goes through the
-``torch.library`` custom op (:mod:`solattn.pipeline`).
+A plain eager call (no tracing, transform, tensor subclass or dispatch mode, see
+:func:`plain_eager`) runs the op's computation directly (:mod:`solattn.eager`): without
+gradients through the active :func:`solattn.graphs.cuda_graphs` cache when there is one, with
+them under the op's own autograd; everything else goes through the ``torch.library`` custom op
+(:mod:`solattn.pipeline`).
 """
 
 from __future__ import annotations

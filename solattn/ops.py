@@ -2,8 +2,9 @@
 
 ``sol_attn`` validates (metadata only, so it also runs while ``torch.compile`` traces with fake
 tensors) and runs the custom op ``solattn::sol_attn`` on the caller's token layout with
-Sol-Attn's selection; a plain eager call runs the op's computation directly, through the
-active :func:`solattn.graphs.cuda_graphs` cache when there is one (:mod:`solattn.modes`).
+Sol-Attn's selection; a plain eager call runs the op's computation directly (:mod:`solattn.eager`),
+without gradients through the active :func:`solattn.graphs.cuda_graphs` cache when there is one
+(:mod:`solattn.modes`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ layout's row table (``Backend.row_table``) gets the caller's tensors and the tab
 tiled copies (:meth:`VideoRoute.prepare`).
 
 The front doors validate (metadata only, so it also runs while ``torch.compile`` traces with
-fake tensors) and call the op, or its computation :func:`forward` directly for a plain eager
-call (:mod:`solattn.modes`). The fake makes ``torch.compile(fullgraph=True)`` and
+fake tensors) and call the op, or its computation directly for a plain eager call
+(:mod:`solattn.modes`, :mod:`solattn.eager`). The fake makes ``torch.compile(fullgraph=True)`` and
 ``torch.export`` see one node. Autograd follows the backend that ran the forward
 (``Backend.differentiation``, :mod:`solattn.backward`): a backend with its own backward fills the
 op's extra outputs and differentiates; otherwise the backward recomputes through a
