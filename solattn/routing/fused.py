@@ -373,4 +373,7 @@ def _zeros(G: int, D: int, device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _shared_zeros(G: int, D: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(G, D, dtype=torch.float32, device=device)
+    zeros = torch.zeros(G, D, dtype=torch.float32, device=device)
+    if zeros.device.type == "cuda":      # filled before any stream reads it (later calls may use another)
+        torch.cuda.current_stream(zeros.device).synchronize()
+    return zeros

@@ -269,8 +269,13 @@ def _indices_from_mask(exact: torch.Tensor, width: Optional[int] = None) -> Tupl
 
 @functools.lru_cache(maxsize=16)
 def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` int32, shared read-only (only ever a scatter source)."""
-    return torch.arange(n, device=device, dtype=torch.int32)
+    """``arange(n)`` int32, shared read-only (a scatter source, and the padding test of
+    :meth:`Plan.dense_mask`); on a GPU written before any stream reads it (a later call may run
+    on another stream than the one that wrote it: the one synchronisation is at its making)."""
+    values = torch.arange(n, device=device, dtype=torch.int32)
+    if values.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream(values.device).synchronize()
+    return values
 
 
 def plan_chunks(groups: int, n: int, nbytes: int) -> Iterator[Tuple[int, int, int, int]]:
