@@ -64,15 +64,6 @@ def query_rows(Q, Rows, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
 
 
 @gpu_jit
-def query_block(Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
-                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """:func:`query_rows` of a problem without a row table: ``(q, tok_q, row_ok)``."""
-    q, tok_q, row_ok, _src, _live = query_rows(Q, Q, BlockLen, q_block, b, h, sqb, sqt, sqh, sqd, T,
-                                               HEAD_DIM, BLOCK, False)
-    return q, tok_q, row_ok
-
-
-@gpu_jit
 def start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_TAIL: tl.constexpr):
     """Online-softmax state ``(m, l, acc)`` before the first key block: the tail key, or nothing."""
@@ -196,14 +187,6 @@ def key_rows(K, V, Rows, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt
         v = tl.load(V + b * svb + h * svh + src[:, None] * svt + dims[None, :] * svd,
                     mask=live[:, None], other=0.0)
     return k, v, tok_k, live, ragged
-
-
-@gpu_jit
-def key_block(K, V, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
-              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr, TMA_LEN: tl.constexpr):
-    """:func:`key_rows` of a problem without a row table."""
-    return key_rows(K, V, K, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
-                    HEAD_DIM, BLOCK, KV_TMA, TMA_LEN, False, False)
 
 
 @gpu_jit
