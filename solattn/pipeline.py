@@ -108,19 +108,6 @@ class Route:
         problem = self.problem(tq, tk, tv, self.gate(gate, tq), key_bias, block_len)
         return problem, self.choose(problem, requested)
 
-    def backward_layout(self, backend: Backend, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor],
-                        key_bias: Optional[Tensor], block_len: Optional[Tensor], kept: bool):
-        """The layout of ``backend``'s own backward: ``(problem_of, inputs, to_rows, from_rows)``,
-        ``problem_of(q, k, v)`` the forward's problem on the given tensors, ``inputs`` q, k, v as it
-        takes them, ``to_rows`` / ``from_rows`` the caller's tensors (output, its gradient) to those
-        it reads and its gradients back. ``kept``: the forward's plan is at hand (no rebuild)."""
-        tq, tk, tv = (self.tiled(x) for x in (q, k, v))
-        tg = self.gate(gate, tq)
-
-        def problem_of(qd, kd, vd):
-            return self.problem(qd, kd, vd, tg, key_bias, block_len)
-        return problem_of, (tq, tk, tv), self.tiled, self.untiled
-
     def output(self, out: Tensor, problem: Problem) -> Tensor:
         """The backend's output of ``problem`` in the caller's rows (a problem with a row table
         wrote them there already)."""
@@ -209,13 +196,6 @@ class VideoRoute(Route):
         if gate is not None and gate.dim() == 0:         # a constant gate: a stride-0 view of q's shape
             gate = gate.expand(q.shape)
         return self._problem(q, k, v, gate, self.layout.gather)
-
-    # The backward takes tiled copies (Route.backward_layout) even where the forward read the row
-    # table: on an H200 (B=1 H=56 D=128 bf16, gated, 16x48x48 with 58 of 576 tiles) forward +
-    # backward took 48.9 ms with tiled copies in the backward against 60.6 ms with both backward
-    # kernels reading through the table (each inner-loop block load waits on its row index), 87.9
-    # against 108.1 ms with 116 tiles, 6.21 against 6.97 ms at 8x32x32; the forward's key loop
-    # reads a tiled copy already (tile_kv), and there the table costs nothing measurable.
 
     def requested(self, requested: Optional[str]) -> Optional[str]:
         backend = plan_backend(requested)
@@ -360,13 +340,23 @@ def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, gr
                                              backend or None, required={4: "key_bias"}, settings=settings)
         return gq, gk, gv, gg if gate_grad else None, gb
 
-    problem_of, inputs, to_rows, from_rows = route.backward_layout(own, q, k, v, gate, key_bias, block_len,
-                                                                   plan is not None)
-    gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, inputs, to_rows(out), lse, resid,
-                                     to_rows(grad_out), bias_grad=bias_grad, settings=settings, saved=plan)
-    gq, gk, gv = (from_rows(g) for g in (gq, gk, gv))
+    # The own backward reads the backend's layout: tiled copies for VSA, even where the forward read
+    # the row table. On an H200 (B=1 H=56 D=128 bf16, gated, 16x48x48 with 58 of 576 tiles) forward
+    # + backward took 48.9 ms with tiled copies in the backward against 60.6 ms with both backward
+    # kernels reading through the table (each inner-loop block load waits on its row index), 87.9
+    # against 108.1 ms with 116 tiles, 6.21 against 6.97 ms at 8x32x32; the forward's key loop
+    # reads a tiled copy already (tile_kv), and there the table costs nothing measurable.
+    tq, tk, tv = (route.tiled(x) for x in (q, k, v))
+    tg = route.gate(gate, tq)
+
+    def problem_of(qd, kd, vd):
+        return route.problem(qd, kd, vd, tg, key_bias, block_len)
+
+    gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, (tq, tk, tv), route.tiled(out), lse, resid,
+                                     route.tiled(grad_out), bias_grad=bias_grad, settings=settings, saved=plan)
+    gq, gk, gv = (route.untiled(g) for g in (gq, gk, gv))
     if gg is not None and gate_grad:                 # a constant (0-dim) gate sums its rows' gradients
-        gg = (gg.sum() if gate.dim() == 0 else from_rows(gg)).to(gate.dtype)
+        gg = (gg.sum() if gate.dim() == 0 else route.untiled(gg)).to(gate.dtype)
     else:
         gg = None
     if gb is not None:                       # (B or 1, T) summed over heads -> key_bias's shape

@@ -82,8 +82,8 @@ class Backend:
     fused_plan: ClassVar[bool] = False
     #: runs a problem with a row table (``Problem.rows``: VSA's tiled layout read straight from the
     #: caller's token order, the output written back in that order), so the op layer makes no
-    #: tiled copies for it; other backends get the tiled copies. With ``differentiation = "own"``
-    #: its backward gets such a problem too (output, its gradient and the gradients in token order)
+    #: tiled copies for it in the forward; other backends get the tiled copies, and every own
+    #: backward gets them too (a problem with a row table never reaches ``backward``)
     row_table: ClassVar[bool] = False
     #: on CUDA devices, the oldest compute capability the backend runs on, e.g. ``(8, 0)``
     min_compute_capability: ClassVar[Optional[Tuple[int, int]]] = None
