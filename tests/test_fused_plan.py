@@ -330,13 +330,13 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, tma_everywher
     monkeypatch.setattr(fused, "fused_plan", spy)
     from solattn.backends.triton import backend as tb
     tma_calls = []
-    real_tma_ok = tb._tma_ok
+    real_tma_ok = tb.tma_ok
 
     def tma_spy(problem, interpret):
         tma_calls.append(real_tma_ok(problem, interpret))
         return tma_calls[-1]
 
-    monkeypatch.setattr(tb, "_tma_ok", tma_spy)
+    monkeypatch.setattr(tb, "tma_ok", tma_spy)
     for mode in ("exempt", "compete"):
         kw = dict(sparsity=0.75, gate=gate, prefix_len=list(segments), prefix_mode=mode)
         got = solattn.video_sparse_attn(q, k, v, grid, backend="triton", **kw)
@@ -371,11 +371,11 @@ def test_tma_with_block_len_only_where_dead_rows_are_zeros(tma_everywhere):
         k[:, j * 64 + L:(j + 1) * 64] = float("nan")
         v[:, j * 64 + L:(j + 1) * 64] = float("nan")
     problem = validate(q, k, v, topk_ratio=0.5, tail=False, block_len=block_len)
-    assert not tb._tma_ok(problem, True)
+    assert not tb.tma_ok(problem, True)
     out = TritonBackend().forward(problem, build_plan(problem, fused=True))
     assert torch.isfinite(out[:, :64 + 40]).all()
     zeroed = dataclasses.replace(problem, dead_rows_zero=True)
-    assert tb._tma_ok(zeroed, True)
+    assert tb.tma_ok(zeroed, True)
     kz, vz = torch.nan_to_num(k, nan=0.0), torch.nan_to_num(v, nan=0.0)
     pz = dataclasses.replace(validate(q, kz, vz, topk_ratio=0.5, tail=False, block_len=block_len),
                              dead_rows_zero=True)

@@ -146,6 +146,66 @@ def test_sol_attn_fused_gradients_match_reference(case, device, fused_calls):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tma", [True, False])
+def test_backward_block_loads_match_reference(tma, device, fused_calls, monkeypatch):
+    """The inner loops' block loads through TMA descriptors or pointers (``BackwardConfig.tma``;
+    the default takes TMA from ``tma_min_programs`` programs on, 0 here): T not a multiple of 64
+    (rows past T), VSA's tiled layout with a prefix and partial cubes (dead rows hold zeros)."""
+    if device == "cuda" and tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA loads need sm_90+")
+    from solattn.backends.triton.tuning import BackwardConfig, TritonTuning
+    from solattn.config import tuning
+    made = []
+    real = bw.tma_descriptors
+    monkeypatch.setattr(bw, "tma_descriptors", lambda *t: made.append(len(t)) or real(*t))
+    cfg = TritonTuning(tma_min_programs=0, backward=BackwardConfig(tma=tma))
+    T, H, D = 300, 2, 64
+    q, k, v = make_qkv(1, T, H, D, dtype=torch.bfloat16, device=device, seed=5)
+    w = _rand((1, T, H, D), 1).to(device)
+
+    def call(backend):
+        def fn(q, k, v):
+            with tuning(cfg):
+                return solattn.sol_attn(q, k, v, topk_ratio=0.4, backend=backend)
+        return fn
+
+    _check(call("triton"), call("reference"), [q, k, v], ["q", "k", "v"], w, torch.bfloat16, fused_calls)
+    assert made == ([4] if tma else [])
+    grid, P = (4, 6, 5), 10
+    Tv = P + 4 * 6 * 5
+    qv, kv, vv = make_qkv(1, Tv, H, D, dtype=torch.bfloat16, device=device, seed=6)
+    gv = _rand((1, Tv, H, D), 3, torch.bfloat16).to(device)
+    wv = _rand((1, Tv, H, D), 4).to(device)
+
+    def vsa(backend):
+        def fn(q, k, v, gate):
+            with tuning(cfg):
+                return solattn.video_sparse_attn(q, k, v, grid, topk=3, gate=gate, prefix_len=P, backend=backend)
+        return fn
+
+    _check(vsa("triton"), vsa("sdpa"), [qv, kv, vv, gv], ["q", "k", "v", "gate"], wv, torch.bfloat16, fused_calls)
+    assert made == ([4, 4] if tma else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dq_with_a_common_key_offset_matches_reference(device, fused_calls):
+    """Keys far from the origin (a common offset of 4 in every dim), a tail: the tail key's share
+    of dq (through the key mean, about the offset) and the centring of the exact keys' terms are
+    both large here, and both must come out of the dq kernel's single correction term."""
+    T, H, D = 260, 2, 64
+    q, k, v = make_qkv(1, T, H, D, dtype=torch.bfloat16, device=device, seed=11)
+    k = (k.float() + 4.0).to(torch.bfloat16)
+    w = _rand((1, T, H, D), 1).to(device)
+
+    def call(backend):
+        def fn(q, k, v):
+            return solattn.sol_attn(q, k, v, topk_ratio=0.3, backend=backend)
+        return fn
+
+    _check(call("triton"), call("reference"), [q, k, v], ["q", "k", "v"], w, torch.bfloat16, fused_calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_video_sparse_attn_fused_gradients_match_reference(device, fused_calls):
     """VSA: prefix segments, partial cubes (dead rows in the tiled layout), a tensor gate; the
     oracle is the same call through sdpa in fp32, whose gradients test_video checks against

@@ -91,15 +91,13 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
     _check_buffer("lse", lse, (B, H, n * BLOCK), torch.float32, v.device)
     _check_buffer("resid", resid, (B, T, H, D), v.dtype, v.device)
     ops = kernel_operands(problem, plan)
-    use_tma = cfg.tma and _tma_ok(problem, ops.interpret)
+    use_tma = cfg.tma and tma_ok(problem, ops.interpret)
     q, k_arg, v_arg = ops.q, ops.k, ops.v
     if ops.has_rows and use_tma:          # TMA reads a block's rows contiguous: a tiled copy
         k_arg, v_arg = tiled_kv(ops, B, T, H, D)
     k_strides, v_strides = k_arg.stride(), v_arg.stride()
     if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        k_arg, v_arg = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, D])
-                        for t in (k_arg, v_arg))
+        k_arg, v_arg = tma_descriptors(k_arg, v_arg)
     # with TMA loads, block_len's lengths travel with the listed indices (kernel.len_codes): a
     # length loaded in the key loop kept the TMA loads two stages deep instead of three
     kv_idx = ops.kv_idx
@@ -151,7 +149,7 @@ def tiled_kv(ops: KernelOperands, B: int, T: int, H: int, D: int):
     return kt, vt
 
 
-def _tma_ok(problem: Problem, interpret: bool) -> bool:
+def tma_ok(problem: Problem, interpret: bool) -> bool:
     """TMA descriptors need sm_90+, a contiguous last dim and 16-byte aligned strides and bases;
     dead rows inside T (block_len) are read unmasked, so block_len keeps the pointer path unless
     they are known to hold zeros (``Problem.dead_rows_zero``: VSA's tiled layout, and the copies
@@ -163,11 +161,19 @@ def _tma_ok(problem: Problem, interpret: bool) -> bool:
             return False
     if problem.rows is not None:
         return True                # fresh contiguous copies (tiled_kv)
-    for t in (problem.k, problem.v):
-        es = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
+    return all(tma_layout_ok(t) for t in (problem.k, problem.v))
+
+
+def tma_layout_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor can read ``t``: contiguous last dim, 16-byte aligned base and strides."""
+    es = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and not any((s * es) % 16 for s in t.stride()[:-1])
+
+
+def tma_descriptors(*tensors):
+    """``(B, T, H, D)`` TMA descriptors of ``tensors``, one 64-row block of one head per load."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, t.shape[-1]]) for t in tensors)
 
 
 class TritonBackend(Backend):

@@ -33,7 +33,9 @@ with torch autograd. Dead query rows (``block_len``) get zero gradients and send
 dead keys get zero gradients. The kernels read the problem's rows as they are: a problem with a
 row table (``Problem.rows``) is refused, VSA's backward takes tiled copies
 (:class:`solattn.pipeline.VideoRoute`: a row index loaded in both kernels' inner loops cost about
-a fifth of their time on an H200).
+a fifth of their time on an H200). Their inner loops load blocks (k and v in the dq kernel, q
+and dO in the dkdv kernel) through ``(B, T, H, D)`` TMA descriptors where the forward would
+(``BackwardConfig.tma``), else through pointers.
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ from typing import Optional, Tuple
 import torch
 import triton.language as tl
 
-from ...config import current_tuning
+from ...config import current_tuning, graph_recording
 from ...kernels import interpretable
 from ...kernels.runtime import compiled, gpu_jit
 from ...validation import BLOCK, Problem
-from .kernel import LOG2E, block_logits, key_rows, program_ids, query_rows
+from .backend import tma_descriptors, tma_layout_ok, tma_ok
+from .kernel import LOG2E, key_rows, logits, program_ids, query_rows
 from .operands import kernel_operands
 from .tuning import BackwardConfig, TritonTuning
 
@@ -61,7 +64,7 @@ def lse_shape(B: int, T: int, H: int) -> Tuple[int, int, int]:
 
 @gpu_jit
 def sol_attn_bwd_dq(
-    Q, K, V, Out, Resid, DO, Gate, DQ, DGate, Lse, Delta,
+    Q, K, V, KD, VD, Out, Resid, DO, Gate, DQ, DGate, Lse, Delta,
     KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
     DTailLse, DTailValue, DCoarse, DKeyMean, Means,
     sqb, sqt, sqh, sqd,
@@ -74,7 +77,8 @@ def sol_attn_bwd_dq(
     qk_scale, scale, long_lo, long_n,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr,
-    LONG_FIRST: tl.constexpr,
+    LONG_FIRST: tl.constexpr, FOLD_SCALE: tl.constexpr, DEAD_ZERO: tl.constexpr,
+    BLOCK_TMA: tl.constexpr, TMA_LEN: tl.constexpr,
 ):
     q_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
     b = (bh // H).to(tl.int64)
@@ -123,20 +127,28 @@ def sol_attn_bwd_dq(
     count = tl.load(KvNum + plan_row)
     idx_row = KvIdx + plan_row * max_blocks
     bias_row = KeyBias + b * s_bias_b
+    ds_sum = tl.zeros([BLOCK], dtype=tl.float32)
     for step in range(0, count):
-        # the forward's pointer loads of the listed block (dead rows read as zeros, never keys)
-        k, v, tok_k, live, _ = key_rows(K, V, K, idx_row, step, bh, b, h, skb, skt, skh, skd,
-                                        svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, False, False, False,
-                                        False)
-        s = block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS)
-        p = tl.math.exp2(s - lse[:, None])
+        # the forward's loads of the listed block: TMA, or pointers (dead rows zeros, never keys)
+        k, v, tok_k, live, ragged = key_rows(KD, VD, K, idx_row, step, bh, b, h, skb, skt, skh, skd,
+                                             svb, svt, svh, svd, BlockLen, T, H, HEAD_DIM, BLOCK, BLOCK_TMA,
+                                             TMA_LEN, False, False, DEAD_ZERO)
+        s = logits(q, k, tok_k, live, ragged, bias_row, qk_scale, HAS_BIAS, FOLD_SCALE)
+        if FOLD_SCALE:
+            p = tl.math.exp2(s * qk_scale - lse[:, None])
+        else:
+            p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
-        # dq against centred keys: a row's logit gradients (tail key included) sum to zero, so
-        # sum_u ds_u k_u + ds_tail m = sum_u ds_u (k_u - m). Uncentred, a large common key offset
-        # would make both terms large and the bf16-rounded ds would leave their difference noisy.
-        k_c = (k.to(tl.float32) - key_mean[None, :]).to(k.dtype)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k_c)
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq += tl.dot(ds, k)
+        ds_sum += tl.sum(ds.to(tl.float32), 1)
+    # dq against centred keys: a row's logit gradients (tail key included) sum to zero, so
+    # sum_u ds_u k_u + ds_tail m = sum_u ds_u (k_u - m). Uncentred, a large common key offset
+    # would make both terms large and the bf16-rounded ds would leave their difference noisy;
+    # sum_u ds_u (k_u - m) = sum_u ds_u k_u - (sum_u ds_u) m with the same rounded ds, the
+    # products accumulated in fp32, is that centred sum without a centred copy of each key block
+    # (an fp32 subtraction and two casts per key element per step)
+    dq = dq - ds_sum[:, None] * key_mean[None, :]
 
     if HAS_TAIL:
         q32 = q.to(tl.float32)
@@ -159,7 +171,7 @@ def sol_attn_bwd_dq(
 
 @gpu_jit
 def sol_attn_bwd_dkdv(
-    Q, K, V, DO, DQ, DK, DV, DBias, Lse, Delta,
+    Q, K, V, DO, QD, DOD, DQ, DK, DV, DBias, Lse, Delta,
     QNum, QIdx, BlockLen, KeyBias, DQMean, DKMean, DVMean,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
@@ -170,7 +182,8 @@ def sol_attn_bwd_dkdv(
     qk_scale, scale, long_lo, long_n,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, POOLED: tl.constexpr,
-    LONG_FIRST: tl.constexpr,
+    LONG_FIRST: tl.constexpr, FOLD_SCALE: tl.constexpr, DEAD_ZERO: tl.constexpr,
+    BLOCK_TMA: tl.constexpr,
 ):
     kv_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
     b = (bh // H).to(tl.int64)
@@ -179,7 +192,9 @@ def sol_attn_bwd_dkdv(
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     tok_k = (kv_block * BLOCK + rows).to(tl.int64)
-    live = rows < tl.load(BlockLen + kv_block)
+    k_len = tl.load(BlockLen + kv_block)
+    live = rows < k_len
+    ragged = k_len < BLOCK
     k = tl.load(K + b * skb + h * skh + tok_k[:, None] * skt + dims[None, :] * skd, mask=live[:, None], other=0.0)
     v = tl.load(V + b * svb + h * svh + tok_k[:, None] * svt + dims[None, :] * svd, mask=live[:, None], other=0.0)
     if HAS_BIAS:
@@ -196,18 +211,31 @@ def sol_attn_bwd_dkdv(
     for step in range(0, count):
         q_block = tl.load(idx_row + step)
         tok_q = (q_block * BLOCK + rows).to(tl.int64)
-        q_live = rows < tl.load(BlockLen + q_block)
-        q = tl.load(q_base + tok_q[:, None] * sqt + dims[None, :] * sqd, mask=q_live[:, None], other=0.0)
-        do = tl.load(do_base + tok_q[:, None] * sdt + dims[None, :] * sdd, mask=q_live[:, None], other=0.0)
+        if DEAD_ZERO:         # dead rows of q and dO hold zeros: the loads wait on no length
+            q_ok = tok_q < T
+        else:
+            q_ok = rows < tl.load(BlockLen + q_block)
+        if BLOCK_TMA:         # rows past T read as zeros, dead rows hold zeros (DEAD_ZERO)
+            q = QD.load([bh // H, q_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+            do = DOD.load([bh // H, q_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
+        else:
+            q = tl.load(q_base + tok_q[:, None] * sqt + dims[None, :] * sqd, mask=q_ok[:, None], other=0.0)
+            do = tl.load(do_base + tok_q[:, None] * sdt + dims[None, :] * sdd, mask=q_ok[:, None], other=0.0)
         stat_row = (bh.to(tl.int64) * n_blocks + q_block) * BLOCK + rows
         lse = tl.load(Lse + stat_row)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         delta = tl.load(Delta + stat_row)                       # 0 on dead rows (their dO is 0)
-        s_t = tl.dot(k, tl.trans(q)) * qk_scale                 # (keys, queries), base 2
-        if HAS_BIAS:
-            s_t = s_t + bias2[:, None]
-        s_t = tl.where(live[:, None], s_t, float("-inf"))
-        p_t = tl.math.exp2(s_t - lse[None, :])
+        s_t = tl.dot(k, tl.trans(q))                            # (keys, queries)
+        if FOLD_SCALE:        # raw logits, the scale in the exponent's FMA (as the forward's softmax)
+            if ragged:
+                s_t = tl.where(live[:, None], s_t, float("-inf"))
+            p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])
+        else:
+            s_t = s_t * qk_scale                                # base 2
+            if HAS_BIAS:
+                s_t = s_t + bias2[:, None]
+            s_t = tl.where(live[:, None], s_t, float("-inf"))
+            p_t = tl.math.exp2(s_t - lse[None, :])
         dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
@@ -271,9 +299,12 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
     """Gradients of one triton forward: ``out`` its ``(B, T, H, D)`` contiguous output, ``lse`` and
     ``resid`` what it wrote for the backward (:func:`solattn.backends.triton.backend.launch`),
     ``grad_out`` the output's gradient (any strides). ``plan`` is the forward's plan (the same
-    selection); a problem with a row table (``Problem.rows``) is refused. ``config``: default the
-    ``backward`` of the :class:`~.tuning.TritonTuning` in force. Runs under ``torch.no_grad``."""
-    cfg = config or current_tuning(TritonTuning).backward
+    selection); a problem with a row table (``Problem.rows``) is refused. When the problem's dead
+    rows hold zeros (``Problem.dead_rows_zero``), ``grad_out``'s must too (VSA tiles both with
+    :func:`solattn.tiling.to_tiled`). ``config``: default the ``backward`` of the
+    :class:`~.tuning.TritonTuning` in force. Runs under ``torch.no_grad``."""
+    tuning_in_force = current_tuning(TritonTuning)
+    cfg = config or tuning_in_force.backward
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
     dev, f32 = problem.device, torch.float32
     if problem.rows is not None:
@@ -302,6 +333,11 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         dco = torch.empty((B * H, n, D), dtype=f32, device=dev) if ops.has_coarse else dummy
         means = torch.empty((3, B * H, n, D), dtype=f32, device=dev) if ops.has_coarse else dummy
         qk_scale = problem.scale * LOG2E
+        # the forward's FOLD_SCALE: nothing added to the logits and a positive scale
+        fold_scale = not ops.has_bias and problem.scale > 0
+        # dead rows of q, k, v and dO hold zeros (the tiled layout's copies, dO tiled the same way),
+        # or there are none inside T
+        dead_zero = problem.block_len is None or problem.dead_rows_zero
         grid = (n, B * H)
         # the long programs first (kernel.program_ids), as the forward runs them: query blocks that
         # attend every key block (sink_q) and key blocks every query block keeps (sink_blocks; VSA's
@@ -310,24 +346,30 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         long_k = _block_range(problem.sink_blocks or problem.sink_q)
         kernel_dq = compiled(ops.interpret, sol_attn_bwd_dq)
         kernel_dkdv = compiled(ops.interpret, sol_attn_bwd_dkdv)
+        # TMA loads in both inner loops where the forward would take them (tma_ok: dead rows hold
+        # zeros or there are none) and every tensor they read has a descriptor-ready layout
+        block_tma = (cfg.tma and tuning_in_force.tma_pays(B * H * n, graph_recording())
+                     and tma_ok(problem, ops.interpret) and all(tma_layout_ok(t) for t in (q, k, v, dout)))
+        kd, vd, qd, dod = tma_descriptors(k, v, q, dout) if block_tma else (k, v, q, dout)
         kernel_dq[grid](
-            q, k, v, out, resid, dout, gate, dq, dgate, lse, delta,
+            q, k, v, kd, vd, out, resid, dout, gate, dq, dgate, lse, delta,
             ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
             ops.key_bias, dtl, dtv, dco, dkm, means,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *gate.stride(),
             ops.bias_stride_b, T, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale, *long_q,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse,
-            LONG_FIRST=0 < long_q[1] < n,
+            LONG_FIRST=0 < long_q[1] < n, FOLD_SCALE=fold_scale, DEAD_ZERO=dead_zero,
+            BLOCK_TMA=block_tma, TMA_LEN=block_tma and problem.block_len is not None,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )
         pooled = coarse_row_grads(problem, plan, means, dco) if ops.has_coarse else (dummy,) * 3
         kernel_dkdv[grid](
-            q, k, v, dout, dq, dk, dv, dbias, lse, delta,
+            q, k, v, dout, qd, dod, dq, dk, dv, dbias, lse, delta,
             q_num, q_idx, ops.block_len, ops.key_bias, *pooled,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
             ops.bias_stride_b, T, H, n, q_idx.shape[-1], qk_scale, problem.scale, *long_k,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_BIAS=ops.has_bias, BIAS_GRAD=bias_grad, POOLED=ops.has_coarse,
-            LONG_FIRST=0 < long_k[1] < n,
+            LONG_FIRST=0 < long_k[1] < n, FOLD_SCALE=fold_scale, DEAD_ZERO=dead_zero, BLOCK_TMA=block_tma,
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         )
         dt = problem.q.dtype

@@ -147,13 +147,15 @@ def block_logits(q, k, tok_k, live, bias_row, qk_scale, HAS_BIAS: tl.constexpr):
 @gpu_jit
 def key_rows(K, V, Rows, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt, svh, svd, BlockLen, T, H,
              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_TMA: tl.constexpr, TMA_LEN: tl.constexpr,
-             KV_ROWS: tl.constexpr, LEN_CODE: tl.constexpr):
+             KV_ROWS: tl.constexpr, LEN_CODE: tl.constexpr, DEAD_ZERO: tl.constexpr = False):
     """The ``step``-th listed key block: ``(k, v, tok_k, live, ragged)``, ``live`` its key rows that
     are keys and ``ragged`` whether any is not (a block cut by T or by block_len). K and V are both
     asked for here, before the caller's softmax, which gives their loads the whole step to land
     (4 % faster at H3 on an H200 than loading V after the softmax). With KV_ROWS the live rows are
     read at their tokens ``Rows[tok_k]`` (pointer loads: a block's rows are not contiguous). With
-    LEN_CODE the list's entries are :func:`len_codes`: the block's dead rows travel with its index."""
+    LEN_CODE the list's entries are :func:`len_codes`: the block's dead rows travel with its index.
+    With DEAD_ZERO (pointer loads: dead rows hold zeros) the loads wait on no length: only rows
+    past T are masked, and ``live`` (from block_len) is first needed by the logits' mask."""
     rows = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     entry = tl.load(KvIdx_row + step)
@@ -182,10 +184,13 @@ def key_rows(K, V, Rows, KvIdx_row, step, bh, b, h, skb, skt, skh, skd, svb, svt
             src = tl.load(Rows + tok_k, mask=live, other=0)
         else:
             src = tok_k
+        load_ok = live
+        if DEAD_ZERO:
+            load_ok = tok_k < T
         k = tl.load(K + b * skb + h * skh + src[:, None] * skt + dims[None, :] * skd,
-                    mask=live[:, None], other=0.0)
+                    mask=load_ok[:, None], other=0.0)
         v = tl.load(V + b * svb + h * svh + src[:, None] * svt + dims[None, :] * svd,
-                    mask=live[:, None], other=0.0)
+                    mask=load_ok[:, None], other=0.0)
     return k, v, tok_k, live, ragged
 
 

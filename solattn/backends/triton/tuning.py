@@ -71,18 +71,28 @@ class BackwardConfig:
     took 44.6 ms, 8 warps 70.2 ms (every warp/stage pairing was timed; 4/2 won). The dq kernel
     takes delta_t = dO_t . O_t from the forward's output plus its saved rounding residual (O to
     about 2^-16); summing it inside the dq loop instead cost one more 64 x 64 x D product per key
-    block pair (H200 at H3 top-k 10 %: 44.2 ms of kernels against 34.2 ms)."""
+    block pair (H200 at H3 top-k 10 %: 44.2 ms of kernels against 34.2 ms). With TMA loads (the
+    default, ``tma``) the two kernels took 12.7 + 14.1 ms at H3 top-k 10 % against 14.4 + 16.5 ms
+    with pointer loads, and 12.7 + 13.7 against 14.0 + 16.9 ms for VSA at 16x48x48 with 58 of
+    576 tiles; 3 stages were slower with TMA too. Two listed blocks per inner step (64 x 128
+    products) spilled registers: 1.4x slower in dq, 2x (8 warps) to 6x (4 warps) in dkdv."""
 
     dq_warps: int = 4
     dq_stages: int = 2
     dkdv_warps: int = 4
     dkdv_stages: int = 2
+    #: the inner loops' block loads (k, v in the dq kernel; q, dO in the dkdv kernel) through
+    #: ``(B, T, H, D)`` TMA descriptors where the forward would take them (sm_90+, dead rows known
+    #: to hold zeros, aligned strides, enough programs); else pointer loads
+    tma: bool = True
 
     def __post_init__(self):
         for name in ("dq_warps", "dkdv_warps"):
             _check_choice("BackwardConfig", name, getattr(self, name), (2, 4, 8))
         for name in ("dq_stages", "dkdv_stages"):
             _check_choice("BackwardConfig", name, getattr(self, name), (1, 2, 3, 4, 5))
+        _check_choice("BackwardConfig", "tma", self.tma, (False, True))
+        object.__setattr__(self, "tma", bool(self.tma))
 
 
 @dataclass(frozen=True)
@@ -126,9 +136,14 @@ class TritonTuning(Tuning):
         if self.forward is not None:
             return self.forward
         cfg = DEFAULT_CONFIGS.get(head_dim) or _PLAIN
-        if programs < self.tma_min_programs and not (self.tma_in_graphs and recording):
+        if not self.tma_pays(programs, recording):
             cfg = _pointer_loads(cfg)
         return cfg
+
+    def tma_pays(self, programs: int, recording: bool) -> bool:
+        """Whether a launch of ``programs`` programs takes TMA loads by default: enough programs
+        to pay for the descriptors, or their cost paid once at a CUDA graph's capture."""
+        return programs >= self.tma_min_programs or (self.tma_in_graphs and recording)
 
 
 _PLAIN = KernelConfig()
