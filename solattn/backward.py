@@ -123,7 +123,8 @@ def fake_fused() -> Tensor:
 
 
 def fused_grads(backend: Backend, problem_of: Callable, make_plan: Callable, inputs, out: Tensor, lse: Tensor,
-                resid: Tensor, grad_out: Tensor, bias_grad: bool, settings=None, saved=None):
+                resid: Tensor, grad_out: Tensor, bias_grad: bool, settings=None, saved=None,
+                rows: Optional[Tensor] = None):
     """Gradients through ``backend``'s own backward. ``problem_of(q, k, v)`` validates the
     forward's problem on the given tensors, ``make_plan(problem)`` rebuilds its plan (the same
     selection: same inputs); ``inputs`` = ``(q, k, v)``; ``out``, ``lse``, ``resid`` the forward's outputs.
@@ -131,10 +132,12 @@ def fused_grads(backend: Backend, problem_of: Callable, make_plan: Callable, inp
     over heads, or None). ``settings``: the forward's context (memory budget, backend choice);
     ``saved``: the forward's plan when it was kept (:data:`PLANS`), used instead of a rebuild when
     the plan has no tail terms (:func:`rebuilds_plan`). A coarse term's gradient that the backend
-    hands back (``Gradients.plan["coarse"]``) is carried to q, k, v here."""
+    hands back (``Gradients.plan["coarse"]``) is carried to q, k, v here. ``rows``: see
+    :meth:`Backend.backward` (``out`` and the returned gradients in the caller's token order; a
+    problem whose gradients need plan terms carried to q, k, v here takes none)."""
     if settings is not None:
         return settings.copy().run(fused_grads, backend, problem_of, make_plan, inputs, out, lse, resid,
-                                   grad_out, bias_grad, None, saved)
+                                   grad_out, bias_grad, None, saved, rows)
     probe = problem_of(*inputs)
     tail = rebuilds_plan(probe)
     if tail:
@@ -149,8 +152,15 @@ def fused_grads(backend: Backend, problem_of: Callable, make_plan: Callable, inp
         else:
             with torch.no_grad():
                 plan = make_plan(problem, fused_plan_allowed(backend, problem, True))
-    grads = backend.backward(problem, plan, out, BackwardBuffers(lse, resid), grad_out, bias_grad)
+    if rows is not None and tail:
+        raise RuntimeError("fused_grads: a tail's terms are carried to q, k, v in the problem's rows; "
+                           "its gradients cannot come back in the caller's token order (rows)")
+    extra_rows = {"rows": rows} if rows is not None else {}
+    grads = backend.backward(problem, plan, out, BackwardBuffers(lse, resid), grad_out, bias_grad, **extra_rows)
     dq, dk, dv = grads.dq, grads.dk, grads.dv
+    if rows is not None and "coarse" in grads.plan:
+        raise RuntimeError(f"fused_grads: backend {backend.name!r} handed back the coarse term's gradient "
+                           "with rows given; a backend that takes rows applies it in its kernels")
     if tail:
         extra = grads_through_plan(plan, grads, leaves)
     elif "coarse" in grads.plan:

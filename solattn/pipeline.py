@@ -96,6 +96,10 @@ class Route:
         """The backend's rows (dim 1) -> the caller's."""
         return x
 
+    def output_rows(self) -> Optional[Tensor]:
+        """The caller's token of every row of the backend's layout, when the two differ (int64)."""
+        return None
+
     def gate(self, gate: Optional[Tensor], tq: Tensor) -> Optional[Tensor]:
         """The coarse gate in the backend's layout (``tq``: q in that layout)."""
         return gate
@@ -156,6 +160,9 @@ class VideoRoute(Route):
 
     def untiled(self, x: Tensor) -> Tensor:
         return x.index_select(1, self.layout.slots)
+
+    def output_rows(self) -> Tensor:
+        return self.layout.gather
 
     def gate(self, gate, tq):
         return tiling.tiled_gate(gate, tq, self.layout)
@@ -346,17 +353,24 @@ def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, gr
     # kernels reading through the table (each inner-loop block load waits on its row index), 87.9
     # against 108.1 ms with 116 tiles, 6.21 against 6.97 ms at 8x32x32; the forward's key loop
     # reads a tiled copy already (tile_kv), and there the table costs nothing measurable.
+    # A backend that reads a row table reads the output and writes the gradients in the caller's
+    # token order itself (only its inner loops read the tiled copies): no gather of the output and
+    # none of the four gradients back (at 16x48x48, H=56, D=128 each is ~0.3 ms on an H200).
     tq, tk, tv = (route.tiled(x) for x in (q, k, v))
     tg = route.gate(gate, tq)
+    rows = route.output_rows() if own.row_table else None
 
     def problem_of(qd, kd, vd):
         return route.problem(qd, kd, vd, tg, key_bias, block_len)
 
-    gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, (tq, tk, tv), route.tiled(out), lse, resid,
-                                     route.tiled(grad_out), bias_grad=bias_grad, settings=settings, saved=plan)
-    gq, gk, gv = (route.untiled(g) for g in (gq, gk, gv))
+    gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, (tq, tk, tv),
+                                     out if rows is not None else route.tiled(out), lse, resid,
+                                     route.tiled(grad_out), bias_grad=bias_grad, settings=settings, saved=plan,
+                                     rows=rows)
+    if rows is None:
+        gq, gk, gv = (route.untiled(g) for g in (gq, gk, gv))
     if gg is not None and gate_grad:                 # a constant (0-dim) gate sums its rows' gradients
-        gg = (gg.sum() if gate.dim() == 0 else route.untiled(gg)).to(gate.dtype)
+        gg = (gg.sum() if gate.dim() == 0 else gg if rows is not None else route.untiled(gg)).to(gate.dtype)
     else:
         gg = None
     if gb is not None:                       # (B or 1, T) summed over heads -> key_bias's shape

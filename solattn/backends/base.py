@@ -159,12 +159,15 @@ class Backend:
         raise NotImplementedError
 
     def backward(self, problem: Problem, plan, out: torch.Tensor, buffers: BackwardBuffers,
-                 grad_out: torch.Tensor, bias_grad: bool) -> Gradients:
+                 grad_out: torch.Tensor, bias_grad: bool, rows: Optional[torch.Tensor] = None) -> Gradients:
         """With ``differentiation = "own"``: the :class:`Gradients` of the forward that returned
         ``out`` and filled ``buffers``, given the output's gradient ``grad_out`` (any strides).
         ``plan`` selects what the forward's did; its tail / coarse / key-mean terms may record
         autograd, which the backend leaves alone (it returns their gradients in ``plan``).
-        ``bias_grad``: return a float key bias's gradient."""
+        ``bias_grad``: return a float key bias's gradient. ``rows`` (backends with ``row_table``
+        only): the problem's rows are a tiled layout of the caller's tokens, row ``r`` token
+        ``rows[r]`` where it is live (``Problem.block_len``); then ``out`` is in the caller's token
+        order, and so are the token-level gradients returned (dead rows have none)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -14,11 +14,11 @@ from typing import List, Optional
 import torch
 
 from ...config import current_tuning, graph_recording
-from ...kernels import cuda_capability, interpreting
+from ...kernels import interpreting
 from ...kernels import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend, BackwardBuffers, Gradients
-from .operands import KernelOperands, kernel_operands  # noqa: F401 (KernelOperands: re-exported)
+from .operands import KernelOperands, kernel_operands, tma_descriptors, tma_ok  # noqa: F401 (KernelOperands: re-exported)
 from .tuning import DEFAULT_CONFIGS, KernelConfig, TritonTuning  # noqa: F401 (DEFAULT_CONFIGS: re-exported)
 
 #: environment variable that opts in to running the kernel on Intel XPUs
@@ -149,33 +149,6 @@ def tiled_kv(ops: KernelOperands, B: int, T: int, H: int, D: int):
     return kt, vt
 
 
-def tma_ok(problem: Problem, interpret: bool) -> bool:
-    """TMA descriptors need sm_90+, a contiguous last dim and 16-byte aligned strides and bases;
-    dead rows inside T (block_len) are read unmasked, so block_len keeps the pointer path unless
-    they are known to hold zeros (``Problem.dead_rows_zero``: VSA's tiled layout, and the copies
-    :func:`tiled_kv` makes for a problem with a row table)."""
-    if problem.block_len is not None and not (problem.dead_rows_zero or problem.rows is not None):
-        return False
-    if not interpret:
-        if problem.device.type != "cuda" or cuda_capability(problem.device)[0] < 9:
-            return False
-    if problem.rows is not None:
-        return True                # fresh contiguous copies (tiled_kv)
-    return all(tma_layout_ok(t) for t in (problem.k, problem.v))
-
-
-def tma_layout_ok(t: torch.Tensor) -> bool:
-    """A TMA descriptor can read ``t``: contiguous last dim, 16-byte aligned base and strides."""
-    es = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and not any((s * es) % 16 for s in t.stride()[:-1])
-
-
-def tma_descriptors(*tensors):
-    """``(B, T, H, D)`` TMA descriptors of ``tensors``, one 64-row block of one head per load."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, t.shape[-1]]) for t in tensors)
-
-
 class TritonBackend(Backend):
     name = "triton"
     description = ("fused Triton kernel walking the plan's kv_indices with an online softmax "
@@ -216,12 +189,13 @@ class TritonBackend(Backend):
         return self.forward(problem, plan, buffers=buffers)
 
     def backward(self, problem: Problem, plan, out: torch.Tensor, buffers: BackwardBuffers,
-                 grad_out: torch.Tensor, bias_grad: bool) -> Gradients:
+                 grad_out: torch.Tensor, bias_grad: bool, rows: Optional[torch.Tensor] = None) -> Gradients:
         """The fused backward (:mod:`solattn.backends.triton.backward`): two kernels give the
         token-level gradients (the coarse branch's included) and the block-level sums of the tail's terms."""
         from . import backward  # imports triton
         with _on_device(problem):
-            g = backward.fused_backward(problem, plan, out, buffers.lse, buffers.resid, grad_out, bias_grad=bias_grad)
+            g = backward.fused_backward(problem, plan, out, buffers.lse, buffers.resid, grad_out, bias_grad=bias_grad,
+                                        rows=rows)
         terms = {"tail_lse": g.dtail_lse, "tail_value": g.dtail_value, "key_mean": g.dkey_mean}
         return Gradients(dq=g.dq, dk=g.dk, dv=g.dv, dgate=g.dgate, dbias=g.dbias,
                          plan={name: t for name, t in terms.items() if t is not None})

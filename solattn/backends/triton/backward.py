@@ -50,9 +50,8 @@ from ...config import current_tuning, graph_recording
 from ...kernels import interpretable
 from ...kernels.runtime import compiled, gpu_jit
 from ...validation import BLOCK, Problem
-from .backend import tma_descriptors, tma_layout_ok, tma_ok
 from .kernel import LOG2E, key_rows, logits, program_ids, query_rows
-from .operands import kernel_operands
+from .operands import kernel_operands, tma_descriptors, tma_layout_ok, tma_ok
 from .tuning import BackwardConfig, TritonTuning
 
 
@@ -66,19 +65,19 @@ def lse_shape(B: int, T: int, H: int) -> Tuple[int, int, int]:
 def sol_attn_bwd_dq(
     Q, K, V, KD, VD, Out, Resid, DO, Gate, DQ, DGate, Lse, Delta,
     KvNum, KvIdx, BlockLen, KeyMean, TailLse, TailValue, Coarse, KeyBias,
-    DTailLse, DTailValue, DCoarse, DKeyMean, Means,
+    DTailLse, DTailValue, DCoarse, DKeyMean, Means, Rows,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
     sdb, sdt, sdh, sdd,
     sgb, sgt, sgh, sgd,
     s_bias_b,
-    T, H, n_blocks, max_blocks,
+    T, T_out, H, n_blocks, max_blocks,
     qk_scale, scale, long_lo, long_n,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COARSE: tl.constexpr,
     LONG_FIRST: tl.constexpr, FOLD_SCALE: tl.constexpr, DEAD_ZERO: tl.constexpr,
-    BLOCK_TMA: tl.constexpr, TMA_LEN: tl.constexpr,
+    BLOCK_TMA: tl.constexpr, TMA_LEN: tl.constexpr, OUT_ROWS: tl.constexpr,
 ):
     q_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
     b = (bh // H).to(tl.int64)
@@ -93,12 +92,18 @@ def sol_attn_bwd_dq(
                  mask=q_live[:, None], other=0.0)
     do32 = do.to(tl.float32)
     out_off = ((b * T + src) * H + h) * HEAD_DIM                  # contiguous (B, T, H, D)
+    # the output and the gradients: (B, T_out, H, D), in the caller's token order with OUT_ROWS
+    # (Rows[r] the token of live row r; dead rows have no token and are neither read nor written)
+    own_off, own_ok = out_off, row_ok
+    if OUT_ROWS:
+        own_off = ((b * T_out + tl.load(Rows + src, mask=q_live, other=0)) * H + h) * HEAD_DIM
+        own_ok = q_live
     if HAS_COARSE:
         gate = tl.load(Gate + b * sgb + h * sgh + src[:, None] * sgt + dims[None, :] * sgd,
                        mask=q_live[:, None], other=0.0).to(tl.float32)
         coarse = tl.load(Coarse + plan_row * HEAD_DIM + dims)
-        tl.store(DGate + out_off[:, None] + dims[None, :], (do32 * coarse[None, :]).to(DGate.dtype.element_ty),
-                 mask=row_ok[:, None])
+        tl.store(DGate + own_off[:, None] + dims[None, :], (do32 * coarse[None, :]).to(DGate.dtype.element_ty),
+                 mask=own_ok[:, None])
         tl.store(DCoarse + plan_row * HEAD_DIM + dims, tl.sum(gate * do32, 0))
         # the block means of q, k, v over the live rows, which the coarse term's gradient needs
         # (Means: fp32 (3, B, H, n, D)); this program's rows are key block q_block's as well
@@ -114,7 +119,7 @@ def sol_attn_bwd_dq(
         tl.store(means + 2 * part, tl.sum(v_own.to(tl.float32), 0) * inv_len)
     # flash attention's delta, dO . O, with O the unrounded attention output: the stored output,
     # less the coarse term as the forward rounded it, plus the forward's rounding residual
-    o = tl.load(Out + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
+    o = tl.load(Out + own_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
     if HAS_COARSE:
         o = o - (gate * coarse[None, :]).to(Out.dtype.element_ty).to(tl.float32)
     o += tl.load(Resid + out_off[:, None] + dims[None, :], mask=q_live[:, None], other=0.0).to(tl.float32)
@@ -166,24 +171,24 @@ def sol_attn_bwd_dq(
         tl.store(DTailLse + plan_row, tl.sum(dl_tail, 0))
         tl.store(DTailValue + plan_row * HEAD_DIM + dims, tl.sum(p_tail[:, None] * do32, 0))
         tl.store(DKeyMean + plan_row * HEAD_DIM + dims, tl.sum((dl_tail * scale)[:, None] * q32, 0))
-    tl.store(DQ + out_off[:, None] + dims[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + own_off[:, None] + dims[None, :], dq.to(DQ.dtype.element_ty), mask=own_ok[:, None])
 
 
 @gpu_jit
 def sol_attn_bwd_dkdv(
     Q, K, V, DO, QD, DOD, DQ, DK, DV, DBias, Lse, Delta,
-    QNum, QIdx, BlockLen, KeyBias, DQMean, DKMean, DVMean,
+    QNum, QIdx, BlockLen, KeyBias, DQMean, DKMean, DVMean, Rows,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
     svb, svt, svh, svd,
     sdb, sdt, sdh, sdd,
     s_bias_b,
-    T, H, n_blocks, max_q_blocks,
+    T, T_out, H, n_blocks, max_q_blocks,
     qk_scale, scale, long_lo, long_n,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, POOLED: tl.constexpr,
     LONG_FIRST: tl.constexpr, FOLD_SCALE: tl.constexpr, DEAD_ZERO: tl.constexpr,
-    BLOCK_TMA: tl.constexpr,
+    BLOCK_TMA: tl.constexpr, OUT_ROWS: tl.constexpr,
 ):
     kv_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
     b = (bh // H).to(tl.int64)
@@ -245,6 +250,9 @@ def sol_attn_bwd_dkdv(
     dk = dk * scale
     out_off = ((b * T + tok_k) * H + h) * HEAD_DIM
     in_t = tok_k < T
+    if OUT_ROWS:       # the caller's token order (see sol_attn_bwd_dq): live rows only
+        out_off = ((b * T_out + tl.load(Rows + tok_k, mask=live, other=0)) * H + h) * HEAD_DIM
+        in_t = live
     if POOLED:
         # the block means' gradients (coarse branch), one share per live row; the rows of this
         # block are also those of query block kv_block, whose dq the other kernel has written
@@ -295,14 +303,17 @@ class FusedGrads:
 
 def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor, resid: torch.Tensor,
                    grad_out: torch.Tensor, bias_grad: bool = False,
-                   config: Optional[BackwardConfig] = None) -> FusedGrads:
+                   config: Optional[BackwardConfig] = None, rows: Optional[torch.Tensor] = None) -> FusedGrads:
     """Gradients of one triton forward: ``out`` its ``(B, T, H, D)`` contiguous output, ``lse`` and
     ``resid`` what it wrote for the backward (:func:`solattn.backends.triton.backend.launch`),
     ``grad_out`` the output's gradient (any strides). ``plan`` is the forward's plan (the same
     selection); a problem with a row table (``Problem.rows``) is refused. When the problem's dead
     rows hold zeros (``Problem.dead_rows_zero``), ``grad_out``'s must too (VSA tiles both with
     :func:`solattn.tiling.to_tiled`). ``config``: default the ``backward`` of the
-    :class:`~.tuning.TritonTuning` in force. Runs under ``torch.no_grad``."""
+    :class:`~.tuning.TritonTuning` in force. ``rows``: the problem's rows are a tiled layout of the
+    caller's tokens (``rows[r]``, int64 ``(T,)``, the token of live row ``r``); ``out`` is then
+    ``(B, T_out, H, D)`` in the caller's token order, and so are the returned dq, dk, dv and dgate,
+    read and written there by the kernels' prologues and epilogues. Runs under ``torch.no_grad``."""
     tuning_in_force = current_tuning(TritonTuning)
     cfg = config or tuning_in_force.backward
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
@@ -310,6 +321,10 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
     if problem.rows is not None:
         raise ValueError("triton backward: received a problem with a row table (Problem.rows); allowed: a "
                          "problem whose q, k, v hold its rows (video_sparse_attn's backward takes tiled copies)")
+    if rows is not None and (rows.shape != (T,) or rows.dtype != torch.int64 or rows.device != dev):
+        raise ValueError(f"triton backward: argument 'rows' received shape {tuple(rows.shape)}, dtype {rows.dtype}, "
+                         f"device {rows.device}; allowed: an int64 ({T},) tensor on {dev}")
+    T_out = T if rows is None else out.shape[1]
     with torch.no_grad():
         ops = kernel_operands(problem, plan)
         q, k, v, gate = ops.q, ops.k, ops.v, ops.gate
@@ -321,8 +336,9 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         # residual stay bf16 there, so the coarse term is rounded to bf16 as the forward did
         (dout,) = interpretable(ops.interpret, dout)
         cdt = q.dtype
-        dq, dk, dv = (torch.empty((B, T, H, D), dtype=cdt, device=dev) for _ in range(3))
-        dgate = torch.empty((B, T, H, D), dtype=gate.dtype, device=dev) if ops.has_coarse else dq
+        dq, dk, dv = (torch.empty((B, T_out, H, D), dtype=cdt, device=dev) for _ in range(3))
+        dgate = torch.empty((B, T_out, H, D), dtype=gate.dtype, device=dev) if ops.has_coarse else dq
+        row_table = rows.contiguous() if rows is not None else ops.key_mean        # (never read without)
         delta = torch.empty(lse_shape(B, T, H), dtype=f32, device=dev)
         dbias = torch.empty(lse_shape(B, T, H), dtype=f32, device=dev) if bias_grad else delta
         dummy = ops.key_mean
@@ -354,22 +370,24 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         kernel_dq[grid](
             q, k, v, kd, vd, out, resid, dout, gate, dq, dgate, lse, delta,
             ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
-            ops.key_bias, dtl, dtv, dco, dkm, means,
+            ops.key_bias, dtl, dtv, dco, dkm, means, row_table,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *gate.stride(),
-            ops.bias_stride_b, T, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale, *long_q,
+            ops.bias_stride_b, T, T_out, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale, *long_q,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse,
             LONG_FIRST=0 < long_q[1] < n, FOLD_SCALE=fold_scale, DEAD_ZERO=dead_zero,
             BLOCK_TMA=block_tma, TMA_LEN=block_tma and problem.block_len is not None,
+            OUT_ROWS=rows is not None,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )
         pooled = coarse_row_grads(problem, plan, means, dco) if ops.has_coarse else (dummy,) * 3
         kernel_dkdv[grid](
             q, k, v, dout, qd, dod, dq, dk, dv, dbias, lse, delta,
-            q_num, q_idx, ops.block_len, ops.key_bias, *pooled,
+            q_num, q_idx, ops.block_len, ops.key_bias, *pooled, row_table,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            ops.bias_stride_b, T, H, n, q_idx.shape[-1], qk_scale, problem.scale, *long_k,
+            ops.bias_stride_b, T, T_out, H, n, q_idx.shape[-1], qk_scale, problem.scale, *long_k,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_BIAS=ops.has_bias, BIAS_GRAD=bias_grad, POOLED=ops.has_coarse,
             LONG_FIRST=0 < long_k[1] < n, FOLD_SCALE=fold_scale, DEAD_ZERO=dead_zero, BLOCK_TMA=block_tma,
+            OUT_ROWS=rows is not None,
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         )
         dt = problem.q.dtype

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels import interpret_on, interpretable
-from ...validation import Problem
+from ...kernels import cuda_capability, interpret_on, interpretable
+from ...validation import BLOCK, Problem
 
 
 @dataclass(frozen=True)
@@ -86,3 +86,30 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if t.dtype == dtype and not t.requires_grad and t.is_contiguous():
         return t
     return t.detach().to(dtype).contiguous()
+
+
+def tma_ok(problem: Problem, interpret: bool) -> bool:
+    """TMA descriptors need sm_90+, a contiguous last dim and 16-byte aligned strides and bases;
+    dead rows inside T (block_len) are read unmasked, so block_len keeps the pointer path unless
+    they are known to hold zeros (``Problem.dead_rows_zero``: VSA's tiled layout, and the copies
+    :func:`solattn.backends.triton.backend.tiled_kv` makes for a problem with a row table)."""
+    if problem.block_len is not None and not (problem.dead_rows_zero or problem.rows is not None):
+        return False
+    if not interpret:
+        if problem.device.type != "cuda" or cuda_capability(problem.device)[0] < 9:
+            return False
+    if problem.rows is not None:
+        return True                # fresh contiguous copies (tiled_kv)
+    return all(tma_layout_ok(t) for t in (problem.k, problem.v))
+
+
+def tma_layout_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor can read ``t``: contiguous last dim, 16-byte aligned base and strides."""
+    es = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and not any((s * es) % 16 for s in t.stride()[:-1])
+
+
+def tma_descriptors(*tensors):
+    """``(B, T, H, D)`` TMA descriptors of ``tensors``, one 64-row block of one head per load."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK, 1, t.shape[-1]]) for t in tensors)
