@@ -176,7 +176,7 @@ def sol_attn_bwd_dq(
 
 @gpu_jit
 def sol_attn_bwd_dkdv(
-    Q, K, V, DO, QD, DOD, DQ, DK, DV, DBias, Lse, Delta,
+    Q, K, V, DO, DQ, DK, DV, DBias, Lse, Delta,
     QNum, QIdx, BlockLen, KeyBias, DQMean, DKMean, DVMean, Rows,
     sqb, sqt, sqh, sqd,
     skb, skt, skh, skd,
@@ -188,7 +188,7 @@ def sol_attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, POOLED: tl.constexpr,
     LONG_FIRST: tl.constexpr, FOLD_SCALE: tl.constexpr, DEAD_ZERO: tl.constexpr,
-    BLOCK_TMA: tl.constexpr, OUT_ROWS: tl.constexpr,
+    BLOCK_TMA: tl.constexpr, TMA_LEN: tl.constexpr, OUT_ROWS: tl.constexpr,
 ):
     kv_block, bh = program_ids(n_blocks, long_lo, long_n, LONG_FIRST)
     b = (bh // H).to(tl.int64)
@@ -211,22 +211,14 @@ def sol_attn_bwd_dkdv(
     dbias = tl.zeros([BLOCK], dtype=tl.float32)
     count = tl.load(QNum + plan_row)
     idx_row = QIdx + plan_row * max_q_blocks
-    q_base = Q + b * sqb + h * sqh
-    do_base = DO + b * sdb + h * sdh
+    stat_base = bh.to(tl.int64) * n_blocks * BLOCK
     for step in range(0, count):
-        q_block = tl.load(idx_row + step)
-        tok_q = (q_block * BLOCK + rows).to(tl.int64)
-        if DEAD_ZERO:         # dead rows of q and dO hold zeros: the loads wait on no length
-            q_ok = tok_q < T
-        else:
-            q_ok = rows < tl.load(BlockLen + q_block)
-        if BLOCK_TMA:         # rows past T read as zeros, dead rows hold zeros (DEAD_ZERO)
-            q = QD.load([bh // H, q_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-            do = DOD.load([bh // H, q_block * BLOCK, bh % H, 0]).reshape(BLOCK, HEAD_DIM)
-        else:
-            q = tl.load(q_base + tok_q[:, None] * sqt + dims[None, :] * sqd, mask=q_ok[:, None], other=0.0)
-            do = tl.load(do_base + tok_q[:, None] * sdt + dims[None, :] * sdd, mask=q_ok[:, None], other=0.0)
-        stat_row = (bh.to(tl.int64) * n_blocks + q_block) * BLOCK + rows
+        # the listed query block's q and dO, loaded as the dq kernel loads its k and v (TMA
+        # descriptors Q and DO with BLOCK_TMA, else pointers; dead rows zeros, never queries)
+        q, do, tok_q, _q_live, _ = key_rows(Q, DO, K, idx_row, step, bh, b, h, sqb, sqt, sqh, sqd,
+                                            sdb, sdt, sdh, sdd, BlockLen, T, H, HEAD_DIM, BLOCK, BLOCK_TMA,
+                                            TMA_LEN, False, False, DEAD_ZERO)
+        stat_row = stat_base + tok_q
         lse = tl.load(Lse + stat_row)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         delta = tl.load(Delta + stat_row)                       # 0 on dead rows (their dO is 0)
@@ -367,6 +359,7 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
         block_tma = (cfg.tma and tuning_in_force.tma_pays(B * H * n, graph_recording())
                      and tma_ok(problem, ops.interpret) and all(tma_layout_ok(t) for t in (q, k, v, dout)))
         kd, vd, qd, dod = tma_descriptors(k, v, q, dout) if block_tma else (k, v, q, dout)
+        tma_len = block_tma and problem.block_len is not None
         kernel_dq[grid](
             q, k, v, kd, vd, out, resid, dout, gate, dq, dgate, lse, delta,
             ops.kv_num, ops.kv_idx, ops.block_len, ops.key_mean, ops.tail_lse, ops.tail_value, ops.coarse,
@@ -375,18 +368,19 @@ def fused_backward(problem: Problem, plan, out: torch.Tensor, lse: torch.Tensor,
             ops.bias_stride_b, T, T_out, H, n, ops.kv_idx.shape[-1], qk_scale, problem.scale, *long_q,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_TAIL=ops.has_tail, HAS_BIAS=ops.has_bias, HAS_COARSE=ops.has_coarse,
             LONG_FIRST=0 < long_q[1] < n, FOLD_SCALE=fold_scale, DEAD_ZERO=dead_zero,
-            BLOCK_TMA=block_tma, TMA_LEN=block_tma and problem.block_len is not None,
+            BLOCK_TMA=block_tma, TMA_LEN=tma_len,
             OUT_ROWS=rows is not None,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )
         pooled = coarse_row_grads(problem, plan, means, dco) if ops.has_coarse else (dummy,) * 3
         kernel_dkdv[grid](
-            q, k, v, dout, qd, dod, dq, dk, dv, dbias, lse, delta,
+            qd, k, v, dod, dq, dk, dv, dbias, lse, delta,
             q_num, q_idx, ops.block_len, ops.key_bias, *pooled, row_table,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
             ops.bias_stride_b, T, T_out, H, n, q_idx.shape[-1], qk_scale, problem.scale, *long_k,
             HEAD_DIM=D, BLOCK=BLOCK, HAS_BIAS=ops.has_bias, BIAS_GRAD=bias_grad, POOLED=ops.has_coarse,
             LONG_FIRST=0 < long_k[1] < n, FOLD_SCALE=fold_scale, DEAD_ZERO=dead_zero, BLOCK_TMA=block_tma,
+            TMA_LEN=tma_len,
             OUT_ROWS=rows is not None,
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         )
