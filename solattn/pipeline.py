@@ -216,6 +216,10 @@ class VideoRoute(Route):
         return build_vsa_plan(problem, c.k_vid, self.layout.num_prefix_blocks, c.prefix_mode, fused=fused)
 
 
+def _as_is(x: Tensor) -> Tensor:
+    return x
+
+
 def plan_backend(requested: Optional[str]) -> Optional[Backend]:
     """The backend asked for by ``backend=`` or ``use_backend``, checked to consume plans; or None.
 
@@ -359,18 +363,18 @@ def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, gr
     tq, tk, tv = (route.tiled(x) for x in (q, k, v))
     tg = route.gate(gate, tq)
     rows = route.output_rows() if own.row_table else None
+    # the output to the backend's rows and its gradients back: done by the backend itself with rows
+    to_rows, from_rows = (route.tiled, route.untiled) if rows is None else (_as_is, _as_is)
 
     def problem_of(qd, kd, vd):
         return route.problem(qd, kd, vd, tg, key_bias, block_len)
 
-    gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, (tq, tk, tv),
-                                     out if rows is not None else route.tiled(out), lse, resid,
+    gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, (tq, tk, tv), to_rows(out), lse, resid,
                                      route.tiled(grad_out), bias_grad=bias_grad, settings=settings, saved=plan,
                                      rows=rows)
-    if rows is None:
-        gq, gk, gv = (route.untiled(g) for g in (gq, gk, gv))
+    gq, gk, gv = (from_rows(g) for g in (gq, gk, gv))
     if gg is not None and gate_grad:                 # a constant (0-dim) gate sums its rows' gradients
-        gg = (gg.sum() if gate.dim() == 0 else gg if rows is not None else route.untiled(gg)).to(gate.dtype)
+        gg = (gg.sum() if gate.dim() == 0 else from_rows(gg)).to(gate.dtype)
     else:
         gg = None
     if gb is not None:                       # (B or 1, T) summed over heads -> key_bias's shape
