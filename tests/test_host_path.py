@@ -91,6 +91,21 @@ def test_shared_zero_centroid_is_zeros_per_shape_and_device():
     assert b is not a and b.shape == (4, 16) and torch.equal(b, torch.zeros(4, 16))
 
 
+def test_shared_constants_are_fresh_inside_a_graph_capture(monkeypatch):
+    """The plan's arange and the zero centroid come from one cache, which a CUDA graph capture
+    bypasses (the graph owns what it makes) without entering what it makes into the cache. The
+    capture is simulated: its test is what the cache asks."""
+    from solattn import kernels
+    from solattn.routing import plan as plan_mod
+    cpu = torch.device("cpu")
+    shared = [plan_mod._arange(7, cpu), fused._zeros(2, 8, cpu)]
+    monkeypatch.setattr(kernels, "_capturing", lambda device: True)
+    captured = [plan_mod._arange(7, cpu), fused._zeros(2, 8, cpu)]
+    assert all(c is not s and torch.equal(c, s) for c, s in zip(captured, shared))
+    monkeypatch.setattr(kernels, "_capturing", lambda device: False)
+    assert plan_mod._arange(7, cpu) is shared[0] and fused._zeros(2, 8, cpu) is shared[1]
+
+
 def test_kernel_operand_conversion_copies_only_what_it_must():
     t = torch.arange(6, dtype=torch.int32).reshape(2, 3)
     assert _as(t, torch.int32) is t

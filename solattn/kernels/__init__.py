@@ -50,10 +50,35 @@ def _capability(query, device_type: str, index: int):
     return tuple(query(torch.device(device_type, index)))
 
 
+def device_constant(make):
+    """Decorate ``make(*args)`` (its last argument the device) into a maker of a shared, read-only
+    constant: made once per arguments (a fill or ``arange`` per call cost a launch each), and on
+    a GPU written before any stream reads it (a later call may run on another stream than the one
+    that made it: the one synchronisation is at its making). Inside a CUDA graph capture it is
+    made fresh and the graph owns it: its kernel runs at each replay, and no cache eviction can
+    free what the graph reads, nor does a tensor of the graph's pool enter the cache."""
+    @functools.lru_cache(maxsize=16)
+    def shared(*args):
+        value = make(*args)
+        if value.device.type == "cuda":
+            torch.cuda.current_stream(value.device).synchronize()
+        return value
+
+    @functools.wraps(make)
+    def get(*args):
+        return make(*args) if _capturing(args[-1]) else shared(*args)
+    return get
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being captured into a CUDA graph now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 @functools.lru_cache(maxsize=1)
 def triton_installed() -> bool:
     """Whether Triton can be imported (without importing it)."""
     return importlib.util.find_spec("triton") is not None
 
 
-__all__ = ["cuda_capability", "interpret_on", "interpretable", "interpreting", "triton_installed"]
+__all__ = ["cuda_capability", "device_constant", "interpret_on", "interpretable", "interpreting", "triton_installed"]

@@ -43,7 +43,6 @@ when a fused plan is built.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -52,7 +51,7 @@ import torch
 
 from ..budget import current_budget
 from ..config import Tuning, current_tuning
-from ..kernels import cuda_capability, interpret_on, interpretable, interpreting, triton_installed
+from ..kernels import cuda_capability, device_constant, interpret_on, interpretable, interpreting, triton_installed
 from ..validation import BLOCK, Problem, fail
 from .plan import Plan
 from .select import topk_count
@@ -361,19 +360,8 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
                 seq_len=T)
 
 
+@device_constant
 def _zeros(G: int, D: int, device: torch.device) -> torch.Tensor:
     """fp32 zeros ``(G, D)``: the centroid that VSA's uncentred scores subtract (the kernels only
-    read it), made once per shape and device (a fill per call cost a launch); fresh inside a CUDA
-    graph capture, whose graph then owns it (its fill runs at each replay, and no cache eviction
-    can free what the graph reads)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(G, D, dtype=torch.float32, device=device)
-    return _shared_zeros(G, D, device)
-
-
-@functools.lru_cache(maxsize=16)
-def _shared_zeros(G: int, D: int, device: torch.device) -> torch.Tensor:
-    zeros = torch.zeros(G, D, dtype=torch.float32, device=device)
-    if zeros.device.type == "cuda":      # filled before any stream reads it (later calls may use another)
-        torch.cuda.current_stream(zeros.device).synchronize()
-    return zeros
+    read it)."""
+    return torch.zeros(G, D, dtype=torch.float32, device=device)

@@ -16,7 +16,6 @@ flow through them.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -24,6 +23,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..budget import current_budget
+from ..kernels import device_constant
 from ..validation import BLOCK, Problem, fail
 from .stats import BlockStats, serial_cpu
 
@@ -267,15 +267,11 @@ def _indices_from_mask(exact: torch.Tensor, width: Optional[int] = None) -> Tupl
     return counts, idx[..., 1:]
 
 
-@functools.lru_cache(maxsize=16)
+@device_constant
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     """``arange(n)`` int32, shared read-only (a scatter source, and the padding test of
-    :meth:`Plan.dense_mask`); on a GPU written before any stream reads it (a later call may run
-    on another stream than the one that wrote it: the one synchronisation is at its making)."""
-    values = torch.arange(n, device=device, dtype=torch.int32)
-    if values.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        torch.cuda.current_stream(values.device).synchronize()
-    return values
+    :meth:`Plan.dense_mask`)."""
+    return torch.arange(n, device=device, dtype=torch.int32)
 
 
 def plan_chunks(groups: int, n: int, nbytes: int) -> Iterator[Tuple[int, int, int, int]]:
