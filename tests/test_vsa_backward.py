@@ -148,6 +148,9 @@ def test_backward_reuses_the_plan_and_copies_only_tiles(gate_kind, monkeypatch, 
     assert counts.ops["kernel:sol_attn_bwd_dq"] == 1 and counts.ops["kernel:sol_attn_bwd_dkdv"] == 1
     assert not {"topk", "sort", "kthvalue", "argsort"} & set(counts.ops), counts.ops
     assert not [name for name in counts.ops if "backward" in name], counts.ops
+    coarse = gate_kind != "none"                  # the coarse branch's block gradients: two kernels, no products
+    assert (counts.ops["kernel:coarse_rows_kernel"], counts.ops["kernel:coarse_cols_kernel"], counts.ops["bmm"]) == \
+        (coarse, coarse, 0), counts.ops
     tensors_in = 4 + (gate_kind == "tensor")
     assert dict(counts.large) == {"index_select": tensors_in, "index_fill_": tensors_in,
                                   "empty": 3 + (gate_kind != "none")}, counts.large
