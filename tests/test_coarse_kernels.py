@@ -74,12 +74,15 @@ CASES = [                     # G, n, D, key offset, query sharpness
     pytest.param(2, 37, 128, 4.0, 1.0, id="G2-n37-D128-key-offset"),
     pytest.param(2, 70, 64, 0.0, 4.0, id="G2-n70-D64-sharp"),
     pytest.param(1, 583, 128, 0.0, 1.0, id="G1-n583-D128", marks=pytest.mark.slow),
+    pytest.param(2, 2048, 128, 0.0, 1.0, id="G2-n2048-D128", marks=pytest.mark.slow),     # GPU only
 ]
 
 
 @pytest.mark.parametrize("G,n,D,key_offset,sharp", CASES)
 def test_kernels_match_float64_within_the_torch_paths_error(device, G, n, D, key_offset, sharp):
     from solattn.routing.coarse_kernels import fused_coarse_row_grads
+    if device == "cpu" and n > 1024:
+        pytest.skip("the interpreter takes minutes over n = 2048 blocks")
     means, dco, L = random_means(G, n, D, device, seed=n + D, key_offset=key_offset, sharp=sharp)
     scale = D ** -0.5 * 2
     got = fused_coarse_row_grads(means, dco, L, scale)
