@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -131,15 +131,16 @@ class Route:
     def choose(self, problem: Problem, requested: Optional[str]) -> Backend:
         return dispatch.choose(problem, requested, plan_only=bool(self.given))
 
-    def plan(self, problem: Problem, fused: bool = False):
-        """The routing plan of ``problem``: the caller's, else the selection rule's."""
+    def plan(self, problem: Problem, fused: bool = False, extras: FrozenSet[str] = frozenset()):
+        """The routing plan of ``problem``: the caller's, else the selection rule's (``extras``:
+        what a fused plan also makes for the backend, ``Backend.plan_extras``)."""
         if self.given:
             return _given_plan(self.given, problem.T)
-        return self.build(problem, fused)
+        return self.build(problem, fused, extras)
 
-    def build(self, problem: Problem, fused: bool = False):
+    def build(self, problem: Problem, fused: bool = False, extras: FrozenSet[str] = frozenset()):
         """The selection rule: the routing plan of ``problem``."""
-        return build_plan(problem, fused=fused)
+        return build_plan(problem, fused=fused, extras=extras)
 
 
 class VideoRoute(Route):
@@ -211,9 +212,10 @@ class VideoRoute(Route):
     def choose(self, problem, requested):
         return dispatch.choose(problem, requested, plan_only=True)
 
-    def build(self, problem, fused=False):
+    def build(self, problem, fused=False, extras=frozenset()):
         c = self.call
-        return build_vsa_plan(problem, c.k_vid, self.layout.num_prefix_blocks, c.prefix_mode, fused=fused)
+        return build_vsa_plan(problem, c.k_vid, self.layout.num_prefix_blocks, c.prefix_mode, fused=fused,
+                              extras=extras)
 
 
 def _as_is(x: Tensor) -> Tensor:
@@ -253,7 +255,9 @@ def run(route: Route, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], k
     requested = route.requested(requested)
     want = buffers is not None and buffers[0].numel() > 0
     problem, chosen = route.prepare(q, k, v, gate, key_bias, block_len, requested, want)
-    plan = route.plan(problem, fused=fused_plan_allowed(chosen, problem, want)) if chosen.uses_plan else None
+    from_kernels = fused_plan_allowed(chosen, problem, want)
+    extras = chosen.plan_extras(problem) if from_kernels else frozenset()
+    plan = route.plan(problem, from_kernels, extras) if chosen.uses_plan else None
     while True:
         try:
             if buffers is None:

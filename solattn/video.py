@@ -178,19 +178,22 @@ def _check_gate(fn: str, gate, q: torch.Tensor, prefix_len: int, n_video_tokens:
         return None
     B, T, H, D = q.shape
     video_shape = (B, n_video_tokens, H, D)
-    allowed = (f"None, a real number within fp32's range (a constant gate) or a float tensor (bf16, fp16 or fp32) of q's "
-               f"shape {tuple(q.shape)} or of the video part's shape {video_shape}, on {q.device}")
-    if isinstance(gate, numbers.Real) and not isinstance(gate, bool):
-        if not finite(float(gate)):
-            _fail(fn, "gate", repr(gate), allowed)
-        return torch.tensor(float(gate), dtype=torch.float32, device=q.device)
+
+    def refuse(received: str, kind=ValueError):       # the messages are built only when refused
+        _fail(fn, "gate", received, f"None, a real number within fp32's range (a constant gate) or a float tensor "
+              f"(bf16, fp16 or fp32) of q's shape {tuple(q.shape)} or of the video part's shape {video_shape}, "
+              f"on {q.device}", kind)
+
     if not isinstance(gate, torch.Tensor):
-        _fail(fn, "gate", type(gate).__name__, allowed, TypeError)
-    desc = f"a tensor of shape {tuple(gate.shape)}, dtype {gate.dtype}, device {gate.device}"
+        if not isinstance(gate, numbers.Real) or isinstance(gate, bool):
+            refuse(type(gate).__name__, TypeError)
+        if not finite(float(gate)):
+            refuse(repr(gate))
+        return torch.tensor(float(gate), dtype=torch.float32, device=q.device)
     if gate.dtype not in SUPPORTED_DTYPES:
-        _fail(fn, "gate", desc, allowed, TypeError)
+        refuse(f"a tensor of shape {tuple(gate.shape)}, dtype {gate.dtype}, device {gate.device}", TypeError)
     if gate.device != q.device or tuple(gate.shape) not in (tuple(q.shape), video_shape):
-        _fail(fn, "gate", desc, allowed)
+        refuse(f"a tensor of shape {tuple(gate.shape)}, dtype {gate.dtype}, device {gate.device}")
     if tuple(gate.shape) == tuple(q.shape) or prefix_len == 0:
         return gate
     return torch.cat([gate.new_zeros(B, prefix_len, H, D), gate], dim=1)

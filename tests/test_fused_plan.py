@@ -180,9 +180,9 @@ def test_sol_attn_triton_uses_fused_plan_and_matches_torch_plan(monkeypatch):
     calls = []
     real = fused.fused_plan
 
-    def spy(problem):
+    def spy(problem, **kwargs):
         calls.append(problem)
-        return real(problem)
+        return real(problem, **kwargs)
 
     monkeypatch.setattr(fused, "fused_plan", spy)
     for kw in (dict(topk_ratio=0.3, sink_blocks=(0, 1)), dict(tau=0.5, coarse_gate=gate)):
@@ -322,10 +322,10 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, tma_everywher
     calls, tables = [], []
     real = fused.fused_plan
 
-    def spy(problem, rule=None):
+    def spy(problem, rule=None, extras=frozenset()):
         calls.append(rule)
         tables.append(problem.rows is not None)
-        return real(problem, rule)
+        return real(problem, rule, extras)
 
     monkeypatch.setattr(fused, "fused_plan", spy)
     from solattn.backends.triton import backend as tb
@@ -346,8 +346,9 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, tma_everywher
     assert [r.near for r in calls] == [False, False] and [r.q1 for r in calls] == [2, 2]
     assert [r.s1 for r in calls] == [2, 0]
     # the plan and the kernel read the caller's q, k, v through the layout's row table; the kernel
-    # takes TMA loads from its tiled copy of k and v (zeros in the dead rows)
-    assert tables == [True, True] and tma_calls == [True, True]
+    # takes TMA loads from its tiled copy of k and v (zeros in the dead rows), which the fused plan
+    # made on the way (asked twice per call: for the plan's extras, then by the launch)
+    assert tables == [True, True] and tma_calls == [True] * 4
     # a backward follows: it keeps the forward's plan (the coarse term's gradient needs no
     # rebuild), so the forward takes the fused plan too, from the row table as well
     calls.clear()

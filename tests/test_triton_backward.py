@@ -343,7 +343,7 @@ def test_training_forward_selects_what_the_backward_rebuilds(device, monkeypatch
     from solattn.routing import fused
     kinds = []
     real = fused.fused_plan
-    monkeypatch.setattr(fused, "fused_plan", lambda problem: kinds.append("fused") or real(problem))
+    monkeypatch.setattr(fused, "fused_plan", lambda problem, **kw: kinds.append("fused") or real(problem, **kw))
     q, k, v = make_qkv(1, 192, 2, 32, dtype=torch.float16, device=device, seed=7)
     for tail, grad, want in ((True, True, []), (False, True, ["fused"]), (True, False, ["fused"])):
         kinds.clear()

@@ -104,6 +104,10 @@ def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_
     assert gap > 1e-3, "test case has nearly tied tile scores; pick another seed"
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert rel_l2(out.cpu(), want) < tolerance(torch.bfloat16)
+    # the call: TMA loads read tiled copies of k and v and block_len's lengths carried with the
+    # listed indices, both made by the fused plan's own kernels (means, select) on the way
+    public, launched[:] = list(launched), []
+    assert "tile_kv" not in public and "len_codes" not in public and public.count("sol_attn_fwd") == 1
 
     # the same launch into a NaN-poisoned output: every token written (once: the result is the
     # public call's, bit for bit), the long prefix programs first
@@ -115,11 +119,11 @@ def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_
     with tuning(LOADS[load]):
         launch(problem, route.plan(problem, fused=True), out=poisoned)
     assert torch.equal(poisoned, out)
-    # k and v copied for TMA loads, block_len's lengths carried with the listed indices where a
-    # block's length would be loaded in the key loop
-    copies = {"pointer": 0, "tma-copy": 2}[load]
-    assert launched.count("tile_kv") == copies and launched.count("len_codes") == (2 if load == "tma-copy" else 0)
-    assert launched.count("sol_attn_fwd") == 2
+    # from a plan built without them, the forward makes both itself (tile_kv, len_codes), with
+    # the same output bit for bit
+    made = {"pointer": 0, "tma-copy": 1}[load]
+    assert launched.count("tile_kv") == made and launched.count("len_codes") == made
+    assert launched.count("sol_attn_fwd") == 1
 
 
 def test_len_codes_carry_each_listed_block_with_its_dead_rows():
@@ -219,3 +223,27 @@ def test_torch_plan_refuses_a_row_table():
     with pytest.raises(ValueError, match="row table"):
         build_vsa_plan(raw, 2, route.layout.num_prefix_blocks, fused=False)
     assert dataclasses.replace(raw, rows=None).T == q.shape[1]
+
+
+def test_fused_plan_makes_the_forward_kernels_copies_and_codes_on_the_way():
+    """With ``extras``, the means kernel writes the tiled copies of k and v that ``tile_kv`` makes
+    (zeros in the dead rows), and the select kernel the codes that ``len_codes`` makes; the plan
+    hands each out once (:meth:`Plan.take`)."""
+    grid, segments = (3, 7, 6), (5, 130)
+    q, k, v = make_inputs(grid, B=2, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=7)
+    route = _route(grid, segments, "compete", 2, q.device)
+    problem, _ = route.prepare(q, k, v, None, None, None, "triton", False)
+    plan = route.plan(problem, True, frozenset({"tiled_kv", "len_codes"}))
+    ops = tb.kernel_operands(problem, plan)
+    kt, vt = plan.take("tiled_kv")
+    want_k, want_v = tb.tiled_kv(ops, problem.B, problem.T, problem.H, problem.D)
+    assert torch.equal(kt, want_k) and torch.equal(vt, want_v)
+    assert torch.equal(want_k.float(), tiling.to_tiled(k, route.layout).float())    # zeros in the dead rows
+    codes = plan.take("len_codes")
+    listed = torch.arange(codes.shape[-1]) < ops.kv_num[..., None]
+    idx = ops.kv_idx.long()
+    assert (ops.block_len < 64).any() and listed.any() and not listed.all()
+    assert torch.equal(codes[listed], (idx | ((64 - ops.block_len[idx]) << 16))[listed].int())
+    assert plan.take("tiled_kv") is None and plan.take("len_codes") is None
+    with pytest.raises(ValueError, match=r"'extras' received \['tiles'\]"):
+        route.plan(problem, True, frozenset({"tiles"}))

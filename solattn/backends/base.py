@@ -149,6 +149,12 @@ class Backend:
             reasons.append(f"feature(s) not supported: {', '.join(missing)}")
         return reasons + list(self.problem_reasons(problem))
 
+    def plan_extras(self, problem: Problem) -> FrozenSet[str]:
+        """With ``fused_plan``: what this backend's forward of ``problem`` reads that the fused plan's
+        kernels can make on the way (``solattn.routing.fused.PLAN_EXTRAS``), taken from the plan
+        with ``Plan.take``; a plan without them still runs (the backend then makes them)."""
+        return frozenset()
+
     def forward(self, problem: Problem, plan=None) -> torch.Tensor:
         """Compute the ``(B, T, H, D)`` output (v's dtype, contiguous)."""
         raise NotImplementedError

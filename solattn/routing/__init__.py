@@ -12,7 +12,7 @@ the ``reference`` backend does not import this package.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import FrozenSet, Optional
 
 from ..validation import Problem
 from .plan import (BYTES_PER_SCORE, Plan, Selector, assemble_plan, check_plan, coarse_rows, indices_from_mask,
@@ -23,18 +23,21 @@ from .stats import BlockStats, block_means, block_stats, live_lengths, live_toke
 from .vsa import PREFIX_MODES, build_vsa_plan, select_vsa, vsa_selector, vsa_topk_from_sparsity
 
 
-def build_plan(problem: Problem, topk_method: Optional[str] = None, fused: bool = False) -> Plan:
+def build_plan(problem: Problem, topk_method: Optional[str] = None, fused: bool = False,
+               extras: FrozenSet[str] = frozenset()) -> Plan:
     """The routing plan of a ``sol_attn`` call (SPEC.md, "The routing plan").
 
     ``fused=True`` lets a caller whose backend takes a ``kv_indices`` wider than the largest
     count (padded with 0; the ``triton`` backend) get the plan from Triton kernels without
     a host synchronisation, where :func:`.fused.fused_plan_usable` allows it (CUDA, no autograd
-    graph); everywhere else, and by default, the torch path below builds it.
+    graph); everywhere else, and by default, the torch path below builds it. ``extras``: what
+    the fused plan also makes for the backend (:data:`.fused.PLAN_EXTRAS`; the torch path makes
+    none, the backend then makes them itself).
     """
     if fused:
         from .fused import fused_plan, fused_plan_usable
         if fused_plan_usable(problem):
-            return fused_plan(problem)
+            return fused_plan(problem, extras=extras)
     stats = block_stats(problem)
     rule = sol_attn_selector(problem, stats, topk_method)
     return assemble_plan(problem, stats, rule, tail=problem.tail, coarse=problem.coarse_gate is not None)

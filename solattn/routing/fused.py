@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import FrozenSet, NamedTuple, Optional
 
 import torch
 
@@ -228,16 +228,29 @@ def vsa_rule(P: int, exempt: bool, kk: int) -> Rule:
     return Rule(1, kk, 0, P if exempt else 0, 0, P, False, False)
 
 
-def fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
+#: what a backend's forward kernel may ask the fused plan to make while its kernels read the same
+#: data (``Backend.plan_extras``), kept by the plan until the backend takes it (:meth:`Plan.take`):
+#: ``"tiled_kv"``, a problem with a row table's k and v as contiguous tiled copies, zeros in the
+#: dead rows (the means kernel reads those rows anyway); ``"len_codes"``, each listed key block
+#: with its dead rows, ``index | (64 - L) << 16`` (the select kernel knows both)
+PLAN_EXTRAS = frozenset({"tiled_kv", "len_codes"})
+
+
+def fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet[str] = frozenset()) -> Plan:
     """``problem``'s :class:`Plan` from the Triton kernels (see the module docstring); the same
     selection, tail and coarse terms as :func:`solattn.routing.build_plan`'s torch path (with
     ``rule``, e.g. :func:`vsa_rule`: that selection instead of ``sol_attn``'s, as
     :func:`solattn.routing.build_vsa_plan` makes it), except that ``kv_indices`` is ``n`` wide.
-    No host synchronisation; no autograd graph (callers check :func:`fused_plan_usable`)."""
+    ``extras``: what else to make for the backend (:data:`PLAN_EXTRAS`). No host
+    synchronisation; no autograd graph (callers check :func:`fused_plan_usable`)."""
+    unknown = set(extras) - PLAN_EXTRAS
+    if unknown:
+        raise ValueError(f"fused_plan: argument 'extras' received {sorted(unknown)}; allowed: a subset of "
+                         f"{sorted(PLAN_EXTRAS)}")
     if problem.device.type == "cuda":
         with torch.cuda.device(problem.device):     # Triton launches on the current device
-            return _fused_plan(problem, rule=rule)
-    return _fused_plan(problem, rule=rule)
+            return _fused_plan(problem, rule=rule, extras=extras)
+    return _fused_plan(problem, rule=rule, extras=extras)
 
 
 def _stages(tuning: dict, key: str) -> dict:
@@ -245,7 +258,7 @@ def _stages(tuning: dict, key: str) -> dict:
     return {"num_stages": tuning[key]} if key in tuning else {}
 
 
-def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
+def _fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet[str] = frozenset()) -> Plan:
     """``rule``: the selection (default :func:`sol_attn_rule`); launch parameters: the measured
     choices below, or the overrides of the :class:`FusedPlanTuning` in force."""
     tuning = current_tuning(FusedPlanTuning).overrides()
@@ -266,11 +279,14 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
     L = torch.empty(n, dtype=i32, device=dev)
     has_len = problem.block_len is not None
     rows = problem.rows                 # a row table: the rows are read at its tokens
+    tile_kv = rows is not None and "tiled_kv" in extras
+    kt, vt = ((torch.empty((B, T, H, D), dtype=x.dtype, device=dev) for x in (k, v))     # as the kernel reads them
+              if tile_kv else (qm, qm))
     compiled(interpret, fk.means_kernel)[(n, G)](
-        q, k, v, problem.block_len if has_len else L, L if rows is None else rows, qm, km, vm, L,
+        q, k, v, problem.block_len if has_len else L, L if rows is None else rows, qm, km, vm, L, kt, vt,
         *q.stride(), *k.stride(), *v.stride(), T, H, n,
         HAS_BLOCK_LEN=has_len, NEED_V=need_v, HEAD_DIM=D, BLOCK=BLOCK, num_warps=tuning.get("means_warps", 2 if D <= 128 else 4),
-        **({"ROWS": True} if rows is not None else {}))
+        **({"ROWS": True} if rows is not None else {}), **({"TILE_KV": True} if tile_kv else {}))
 
     rule = rule or sol_attn_rule(problem)
     sel, kk, s0, s1, q0, q1, near, centre = rule
@@ -330,13 +346,14 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
     if sel == 1 and not scores_here:
         compiled(interpret, fk.kth_kernel)[(-(-n // kth_rb), G)](
             scratch, theta, n, kk, s0, s1, NA=NA, NB=NB, RB=kth_rb, num_warps=kth_warps)
+    codes = torch.empty(B, H, n, n, dtype=i32, device=dev) if "len_codes" in extras else kv_idx
     compiled(interpret, fk.select_kernel)[(-(-n // block_i), G)](
-        qm, km, centroid, var, L, scratch, theta, thr, kv_num, kv_idx, touch,
+        qm, km, centroid, var, L, scratch, theta, thr, kv_num, kv_idx, touch, codes,
         n, c, c * c, problem.tau, kk, s0, s1, q0, q1,
         SEL=sel, NEAR=near, HEAD_DIM=D, BLOCK_I=block_i, BJ=bj, NA=NA, NB=NB, RB=rb, BLOCK=BLOCK,
         DOT=precision, SCORES_HERE=scores_here,
         num_warps=tuning.get("select_warps", 8 if ieee and D >= 128 else 4),
-        **_stages(tuning, "select_stages"))
+        **_stages(tuning, "select_stages"), **({"CODES": True} if "len_codes" in extras else {}))
     tail_lse = torch.empty(B, H, n, dtype=f32, device=dev) if tail else m
     tail_value = torch.empty(B, H, n, D, dtype=f32, device=dev) if tail else m
     coarse_out = torch.empty(B, H, n, D, dtype=f32, device=dev) if coarse else m
@@ -354,10 +371,15 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None) -> Plan:
             POOL_DOT=tuning.get("pool_dot", precision), num_warps=tuning.get("pool_warps", 8 if bi >= 64 else 4),
             **_stages(tuning, "pool_stages"))
 
-    return Plan(kv_num_blocks=kv_num, kv_indices=kv_idx, block_len=L, key_mean=m,
+    plan = Plan(kv_num_blocks=kv_num, kv_indices=kv_idx, block_len=L, key_mean=m,
                 tail_lse=tail_lse if tail else None, tail_value=tail_value if tail else None,
                 coarse=coarse_out if coarse else None, touches_dead=touch.view(torch.bool),
                 seq_len=T)
+    if tile_kv:
+        plan.keep("tiled_kv", (kt, vt))
+    if "len_codes" in extras:
+        plan.keep("len_codes", codes)
+    return plan
 
 
 @device_constant

@@ -13,15 +13,17 @@ from ..kernels.runtime import gpu_jit
 
 
 @gpu_jit
-def means_kernel(Q, K, V, BlockLen, Rows, Qm, Km, Vm, Lout,
+def means_kernel(Q, K, V, BlockLen, Rows, Qm, Km, Vm, Lout, Kt, Vt,
                  sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd,
                  T, H, n,
                  HAS_BLOCK_LEN: tl.constexpr, NEED_V: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK: tl.constexpr, ROWS: tl.constexpr = False):
+                 BLOCK: tl.constexpr, ROWS: tl.constexpr = False, TILE_KV: tl.constexpr = False):
     """fp32 means of q, k (and with NEED_V v) over the live rows of block j (program ids: block,
     batch * head), and its live length. With ROWS, row r of the problem is token ``Rows[r]`` of
     the tensors (``Problem.rows``): the live rows are read there, in the same order, so the sums
-    are those of a tiled copy."""
+    are those of a tiled copy. With TILE_KV that tiled copy of k and v is also written, into the
+    contiguous ``(B, T, H, D)`` Kt and Vt with zeros in the dead rows (what the forward kernel's
+    TMA loads read; ``kernel.tile_kv``'s work, done here on the rows this kernel reads anyway)."""
     j = tl.program_id(0)
     g = tl.program_id(1)
     b = (g // H).to(tl.int64)
@@ -41,13 +43,21 @@ def means_kernel(Q, K, V, BlockLen, Rows, Qm, Km, Vm, Lout,
     qs = tl.sum(x.to(tl.float32), 0)
     x = tl.load(K + b * skb + h * skh + tok[:, None] * skt + dims[None, :] * skd, mask=live, other=0.0)
     ks = tl.sum(x.to(tl.float32), 0)
+    if TILE_KV:
+        r = (j * BLOCK + rows).to(tl.int64)
+        dst = ((b * T + r[:, None]) * H + h) * HEAD_DIM + dims[None, :]
+        in_t = (r < T)[:, None]
+        tl.store(Kt + dst, x.to(Kt.dtype.element_ty), mask=in_t)
     Lf = L.to(tl.float32)
     out = (g.to(tl.int64) * n + j) * HEAD_DIM + dims
     tl.store(Qm + out, qs / Lf)
     tl.store(Km + out, ks / Lf)
-    if NEED_V:  # value means feed the tail and coarse terms only
+    if NEED_V or TILE_KV:  # value means feed the tail and coarse terms only
         x = tl.load(V + b * svb + h * svh + tok[:, None] * svt + dims[None, :] * svd, mask=live, other=0.0)
-        tl.store(Vm + out, tl.sum(x.to(tl.float32), 0) / Lf)
+        if NEED_V:
+            tl.store(Vm + out, tl.sum(x.to(tl.float32), 0) / Lf)
+        if TILE_KV:
+            tl.store(Vt + dst, x.to(Vt.dtype.element_ty), mask=in_t)
     if g == 0:
         tl.store(Lout + j, L)
 
@@ -281,19 +291,22 @@ def kth_kernel(Scratch, Theta, n, kk, s0, s1, NA: tl.constexpr, NB: tl.constexpr
 
 @gpu_jit
 def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
-                  KvNum, KvIdx, Touch,
+                  KvNum, KvIdx, Touch, Codes,
                   n, c, cc, tau, kk, s0, s1, q0, q1,
                   SEL: tl.constexpr,          # 0: tau, 1: top-k, 2: forced blocks only
                   NEAR: tl.constexpr,         # |i - j| <= 1 forced (sol_attn; not VSA)
                   HEAD_DIM: tl.constexpr, BLOCK_I: tl.constexpr, BJ: tl.constexpr,
                   NA: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                   DOT: tl.constexpr,             # tl.dot input_precision of the scores (SCORES_HERE)
-                  SCORES_HERE: tl.constexpr):    # this kernel writes the scores into Scratch (IEEE
+                  SCORES_HERE: tl.constexpr,     # this kernel writes the scores into Scratch (IEEE
                                                  # products), not scores_kernel
+                  CODES: tl.constexpr = False):
     """Selection of one tile of BLOCK_I query-block rows of one batch * head, from the scores in
     ``Scratch``: the tau threshold (computed here, stored in ``Thr``) or the k-th largest score
     (its order key in ``Theta``: from :func:`kth_kernel`, or found here with SCORES_HERE), then
-    ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and ``touches_dead``. The pooled terms
+    ``kv_num_blocks``, ``kv_indices`` (ascending, 0-padded) and ``touches_dead``. With CODES also
+    each listed block with its dead rows, ``index | (BLOCK - L) << 16``, into ``Codes`` (nothing
+    past a row's count): what ``kernel.len_codes`` makes for the forward kernel. The pooled terms
     are :func:`pooled_kernel`'s."""
     g, i0, ii, row_ok, dims, cols, gn = row_tile(n, BLOCK_I, HEAD_DIM, BJ)
     thr = tl.zeros([BLOCK_I], tl.float32)
@@ -334,6 +347,10 @@ def select_kernel(Qm, Km, Mean, Var, Lens, Scratch, Theta, Thr,
         pos = count[:, None] + tl.cumsum(seli, 1) - 1
         tl.store(KvIdx + (gn + ii)[:, None] * n + pos, jj[None, :] + tl.zeros([BLOCK_I, BJ], tl.int32),
                  mask=sel)
+        if CODES:
+            code = jj | ((BLOCK - L) << 16)
+            tl.store(Codes + (gn + ii)[:, None] * n + pos, code[None, :] + tl.zeros([BLOCK_I, BJ], tl.int32),
+                     mask=sel)
         count += tl.sum(seli, 1)
     tl.store(KvNum + gn + ii, count, mask=row_ok)
     tl.store(Touch + gn + ii, touches.to(tl.int8), mask=row_ok)

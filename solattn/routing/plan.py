@@ -122,6 +122,17 @@ class Plan:
         """The plan whose :meth:`tensors` are ``tensors``, covering ``seq_len`` tokens."""
         return cls(**dict(zip(cls.TENSOR_FIELDS, tensors)), seq_len=seq_len)
 
+    def keep(self, name: str, value: object) -> None:
+        """Hold ``value`` for the backend that runs the plan, until it is taken (:meth:`take`):
+        what the plan's builder made on the way for the backend's forward kernel
+        (:data:`solattn.routing.fused.PLAN_EXTRAS`)."""
+        self._derived["extra:" + name] = value
+
+    def take(self, name: str) -> Optional[object]:
+        """What :meth:`keep` holds under ``name``, or None; the plan lets go of it (a plan kept for
+        a backward does not keep a forward's copies alive)."""
+        return self._derived.pop("extra:" + name, None)
+
     def dense_mask(self) -> torch.Tensor:
         """The selection as a ``(B, H, n, n)`` bool block mask (allocated on each call)."""
         n, M = self.n, self.kv_indices.shape[-1]

@@ -19,7 +19,7 @@ coarse formula over all tiles.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import FrozenSet, Optional, Tuple
 
 import torch
 
@@ -96,19 +96,21 @@ def select_vsa(stats: BlockStats, k_vid: int, num_prefix_blocks: int = 0, mode: 
 
 
 def build_vsa_plan(problem: Problem, k_vid: int, num_prefix_blocks: int = 0, mode: str = "exempt",
-                   topk_method: Optional[str] = None, fused: bool = False) -> Plan:
+                   topk_method: Optional[str] = None, fused: bool = False,
+                   extras: FrozenSet[str] = frozenset()) -> Plan:
     """The routing plan of a VSA call.
 
     ``problem`` is the tiled layout (prefix tiles, then cube tiles, ``block_len`` set, no tail);
     its ``coarse_gate``, when set, makes the plan carry the coarse term over all tiles.
     ``fused=True``: from the Triton kernels where :func:`.fused.fused_plan_usable` allows it, as
     :func:`solattn.routing.build_plan` does (``kv_indices`` then ``n`` wide, for the ``triton``
-    backend).
+    backend; ``extras`` as there).
     """
     if fused:
         from .fused import fused_plan, fused_plan_usable, vsa_rule
         if fused_plan_usable(problem):
-            return fused_plan(problem, vsa_rule(*vsa_competition(problem.n, k_vid, num_prefix_blocks, mode)))
+            return fused_plan(problem, vsa_rule(*vsa_competition(problem.n, k_vid, num_prefix_blocks, mode)),
+                              extras)
     stats = block_stats(problem)
     rule = vsa_selector(stats, k_vid, num_prefix_blocks, mode, problem.scale, topk_method)
     return assemble_plan(problem, stats, rule, tail=False, coarse=problem.coarse_gate is not None)

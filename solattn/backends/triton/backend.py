@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from ...config import current_tuning, graph_recording
-from ...kernels import interpreting
+from ...kernels import interpret_on, interpreting
 from ...kernels import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend, BackwardBuffers, Gradients
@@ -61,9 +61,23 @@ def launch(problem: Problem, plan, config: Optional[KernelConfig] = None,
                         f"allowed: None or a KernelConfig")
     cfg = config
     if cfg is None:
-        cfg = current_tuning(TritonTuning).forward_config(problem.B * problem.H * problem.n, graph_recording(),
-                                                          problem.D)
+        cfg = _forward_config(problem)
     return run_kernel(problem, plan, cfg, out, lse=lse, resid=resid)
+
+
+def _forward_config(problem: Problem) -> KernelConfig:
+    """The forward's config in force for ``problem`` (see :func:`launch`)."""
+    return current_tuning(TritonTuning).forward_config(problem.B * problem.H * problem.n, graph_recording(),
+                                                       problem.D)
+
+
+def _reads(problem: Problem, cfg: KernelConfig, interpret: bool) -> Tuple[bool, bool, bool]:
+    """``(use_tma, tiled_kv, len_code)``: whether the forward kernel with ``cfg`` takes TMA loads for
+    ``problem``, and so reads tiled copies of k and v (a problem with a row table) and the listed
+    blocks' lengths as codes (block_len, :func:`kernel.len_codes`)."""
+    use_tma = cfg.tma and tma_ok(problem, interpret)
+    return (use_tma, use_tma and problem.rows is not None,
+            use_tma and problem.block_len is not None and problem.n < (1 << 16))
 
 
 def _check_buffer(name: str, t: Optional[torch.Tensor], shape, dtype: torch.dtype, device: torch.device):
@@ -91,18 +105,20 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
     _check_buffer("lse", lse, (B, H, n * BLOCK), torch.float32, v.device)
     _check_buffer("resid", resid, (B, T, H, D), v.dtype, v.device)
     ops = kernel_operands(problem, plan)
-    use_tma = cfg.tma and tma_ok(problem, ops.interpret)
+    use_tma, tile, len_code = _reads(problem, cfg, ops.interpret)
+    made_kv, made_codes = plan.take("tiled_kv"), plan.take("len_codes")     # by the fused plan's kernels
     q, k_arg, v_arg = ops.q, ops.k, ops.v
-    if ops.has_rows and use_tma:          # TMA reads a block's rows contiguous: a tiled copy
-        k_arg, v_arg = tiled_kv(ops, B, T, H, D)
+    if tile:          # TMA reads a block's rows contiguous: a tiled copy
+        k_arg, v_arg = made_kv or tiled_kv(ops, B, T, H, D)
     k_strides, v_strides = k_arg.stride(), v_arg.stride()
     if use_tma:
         k_arg, v_arg = tma_descriptors(k_arg, v_arg)
     # with TMA loads, block_len's lengths travel with the listed indices (kernel.len_codes): a
     # length loaded in the key loop kept the TMA loads two stages deep instead of three
     kv_idx = ops.kv_idx
-    len_code = use_tma and problem.block_len is not None and n < (1 << 16)
-    if len_code:
+    if len_code and made_codes is not None:
+        kv_idx = made_codes
+    elif len_code:
         kv_idx = torch.empty_like(ops.kv_idx)
         compiled(ops.interpret, kernel.len_codes)[(ops.kv_num.numel(),)](
             ops.kv_num, ops.kv_idx, ops.block_len, kv_idx, kv_idx.shape[-1], W=BLOCK, BLOCK=BLOCK, num_warps=1)
@@ -174,6 +190,11 @@ class TritonBackend(Backend):
         if not _triton_installed():
             return [_install_hint(device.type, sys.platform)]
         return []
+
+    def plan_extras(self, problem: Problem):
+        """The tiled copies of k and v and the length codes, where the forward's TMA loads read them."""
+        _, tile, len_code = _reads(problem, _forward_config(problem), interpret_on(problem.device))
+        return frozenset(name for name, wanted in (("tiled_kv", tile), ("len_codes", len_code)) if wanted)
 
     def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None,
                 buffers: Optional[BackwardBuffers] = None) -> torch.Tensor:
