@@ -109,17 +109,19 @@ def test_tiles_and_chunks_of_any_size_give_the_same_gradients(device):
 
 def test_backward_takes_the_kernels_where_they_run_else_the_torch_path(device, monkeypatch):
     """The triton backward's ``coarse_row_grads``: the kernels for fp32 means of a power-of-two
-    head dim, the torch products for means the kernels do not take (D = 24, float64), with the
-    same results."""
+    head dim, the torch products for means the kernels do not take (D = 24, float64) and for more
+    blocks than the kernels pay for (``MAX_BLOCKS``, lowered here), with the same results."""
     import solattn.backends.triton.backward as bw
     import solattn.routing.coarse_kernels as ck
     launches = []
     real = ck.fused_coarse_row_grads
     monkeypatch.setattr(bw, "fused_coarse_row_grads", lambda *a, **k: launches.append(1) or real(*a, **k))
-    for D, dtype, fused in ((32, torch.float32, True), (24, torch.float32, False), (32, torch.float64, False)):
+    for D, dtype, most, fused in ((32, torch.float32, 256, True), (24, torch.float32, 256, False),
+                                  (32, torch.float64, 256, False), (32, torch.float32, 36, False)):
         means, dco, L = random_means(2, 37, D, device, seed=11)
         means, dco = means.to(dtype), dco.to(dtype)
-        assert ck.coarse_kernels_usable(means) == fused
+        assert ck.coarse_kernels_usable(means) == (dtype == torch.float32 and D == 32)
+        monkeypatch.setattr(ck, "MAX_BLOCKS", most)
         before = len(launches)
         got = bw.coarse_row_grads(SimpleNamespace(scale=0.3), SimpleNamespace(block_len=L), means, dco)
         assert len(launches) == before + fused

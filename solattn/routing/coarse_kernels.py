@@ -44,6 +44,13 @@ TILE = 16
 CHUNK = 32
 WARPS = 4
 
+#: the most blocks for which the triton backward takes these kernels (:func:`coarse_kernels_pay`).
+#: On an H200 (B=1, H=56, D=128, benchmarks/bench_coarse_grad.py) they took 0.19 ms against the
+#: torch products' 0.53 ms at n = 128 (and 0.33 against 0.71 ms of host time), but 1.67 against
+#: 1.26 ms at n = 583 and 15.0 against 11.0 ms at n = 2048: their tf32x3 products on 16-block
+#: tiles lose to fp32 batched products once the GPU, not the host, bounds the call
+MAX_BLOCKS = 256
+
 
 def coarse_kernels_usable(means: torch.Tensor) -> bool:
     """Whether :func:`fused_coarse_row_grads` takes block means ``means`` (``(3, G, n, D)``): fp32
@@ -53,6 +60,11 @@ def coarse_kernels_usable(means: torch.Tensor) -> bool:
     D = means.shape[-1]
     return (means.dtype == torch.float32 and 16 <= D <= 256 and D & (D - 1) == 0
             and (means.device.type in ("cuda", "xpu") or interpret_on(means.device)))
+
+
+def coarse_kernels_pay(n: int) -> bool:
+    """Whether the kernels beat the torch products for ``n`` blocks (:data:`MAX_BLOCKS`)."""
+    return n <= MAX_BLOCKS
 
 
 def fused_coarse_row_grads(means: torch.Tensor, dcoarse: torch.Tensor, L: torch.Tensor, scale: float,
@@ -180,4 +192,4 @@ def coarse_cols_kernel(Means, DCoarse, Lens, Stats, Out, n, c, scale,
     tl.store(Out + 2 * part + out, dvm * inv[:, None], mask=ok[:, None])
 
 
-__all__ = ["coarse_kernels_usable", "fused_coarse_row_grads", "coarse_rows_kernel", "coarse_cols_kernel"]
+__all__ = ["MAX_BLOCKS", "coarse_kernels_pay", "coarse_kernels_usable", "fused_coarse_row_grads", "coarse_rows_kernel", "coarse_cols_kernel"]

@@ -50,7 +50,7 @@ import triton.language as tl
 from ...config import current_tuning, graph_recording
 from ...kernels import interpretable
 from ...kernels.runtime import compiled, gpu_jit
-from ...routing.coarse_kernels import coarse_kernels_usable, fused_coarse_row_grads
+from ...routing.coarse_kernels import coarse_kernels_pay, coarse_kernels_usable, fused_coarse_row_grads
 from ...validation import BLOCK, Problem
 from .kernel import LOG2E, key_rows, logits, program_ids, query_rows
 from .operands import kernel_operands, tma_descriptors, tma_layout_ok, tma_ok
@@ -268,8 +268,9 @@ def coarse_row_grads(problem: Problem, plan, means: torch.Tensor, dcoarse: torch
     ``(B * H, n, D)``: its gradient ``dcoarse`` ``(B * H, n, D)`` carried through the softmax over the
     block means ``means`` (``(3, B * H, n, D)``: those of q, k, v; both from
     :func:`sol_attn_bwd_dq`), see :func:`solattn.routing.coarse_grad.coarse_block_grads`: by two
-    Triton kernels (:mod:`solattn.routing.coarse_kernels`), else by those torch products."""
-    if coarse_kernels_usable(means):
+    Triton kernels (:mod:`solattn.routing.coarse_kernels`) where they can run and pay (up to
+    ``MAX_BLOCKS`` blocks), else by those torch products."""
+    if coarse_kernels_usable(means) and coarse_kernels_pay(means.shape[2]):
         return fused_coarse_row_grads(means, dcoarse, plan.block_len, problem.scale)
     from ...routing.coarse_grad import coarse_block_grads, per_rows
     return per_rows(coarse_block_grads(means[0], means[1], means[2], dcoarse, problem.scale), plan.block_len)
