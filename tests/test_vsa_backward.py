@@ -127,7 +127,8 @@ def test_backward_reuses_the_plan_and_copies_only_tiles(gate_kind, monkeypatch, 
     index by tiled row (q, k, v, the output's gradient and a gate tensor: a gather and the dead
     rows' zeros) and the gradients' buffers: the kernels read the output and write the gradients
     in the caller's token order through the layout's row table, so nothing is gathered back; the
-    block means come from the dq kernel. A backward
+    block means come from the dq kernel; the query lists (the selection transposed) from one
+    kernel of their own. A backward
     that rebuilt the plan with autograd ran a top-k, block sums of q, k and v, a softmax backward,
     and per tensor a reshape copy of the expanded mean gradient, its cast and its addition."""
     grid, segments = (4, 6, 6), (40,)
@@ -146,6 +147,9 @@ def test_backward_reuses_the_plan_and_copies_only_tiles(gate_kind, monkeypatch, 
         out.backward(grad_out)
     assert len(built) == 1, "the backward built a plan"
     assert counts.ops["kernel:sol_attn_bwd_dq"] == 1 and counts.ops["kernel:sol_attn_bwd_dkdv"] == 1
+    # the plan's n-wide lists are transposed by their own kernel, not through a dense mask
+    assert counts.ops["kernel:query_lists_kernel"] == 1, counts.ops
+    assert not {"scatter_", "cumsum", "masked_fill_"} & set(counts.ops), counts.ops
     assert not {"topk", "sort", "kthvalue", "argsort"} & set(counts.ops), counts.ops
     assert not [name for name in counts.ops if "backward" in name], counts.ops
     coarse = gate_kind != "none"                  # the coarse branch's block gradients: two kernels, no products

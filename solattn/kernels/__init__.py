@@ -81,4 +81,11 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-__all__ = ["cuda_capability", "device_constant", "interpret_on", "interpretable", "interpreting", "triton_installed"]
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether solattn's Triton kernels run for tensors on ``device``: a CUDA device, or the CPU
+    under ``TRITON_INTERPRET=1`` (tests), with Triton importable."""
+    return (device.type == "cuda" or (device.type == "cpu" and interpreting())) and triton_installed()
+
+
+__all__ = ["cuda_capability", "device_constant", "interpret_on", "interpretable", "interpreting", "triton_installed",
+           "triton_runs_on"]

@@ -23,7 +23,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..budget import current_budget
-from ..kernels import device_constant
+from ..kernels import device_constant, triton_runs_on
 from ..validation import BLOCK, Problem, fail
 from .stats import BlockStats, serial_cpu
 
@@ -146,12 +146,18 @@ class Plan:
         j, the query blocks i whose list holds j, as ``(q_num_blocks (B, H, n), q_indices
         (B, H, n, Mq))`` int32, ascending, 0-padded, contiguous. Built on the first call only;
         later calls return the same tensors. ``Mq`` is n when ``kv_indices`` is n wide (the fused
-        plan: no host sync anywhere), else the largest count (:func:`indices_from_mask`: one sync)."""
+        plan: no host sync anywhere; one Triton kernel where Triton runs, :mod:`.list_kernels`),
+        else the largest count (:func:`indices_from_mask`: one sync)."""
         lists = self._derived.get("query_lists")
         if lists is None:
-            width = self.n if self.kv_indices.shape[-1] == self.n else None
-            counts, idx = _indices_from_mask(self.dense_mask().transpose(-1, -2), width=width)
-            lists = self._derived["query_lists"] = (counts, idx.contiguous())
+            wide = self.kv_indices.shape[-1] == self.n
+            if wide and triton_runs_on(self.device):
+                from .list_kernels import query_lists  # imports Triton
+                lists = query_lists(self.kv_num_blocks, self.kv_indices)
+            else:
+                counts, idx = _indices_from_mask(self.dense_mask().transpose(-1, -2), width=self.n if wide else None)
+                lists = (counts, idx.contiguous())
+            self._derived["query_lists"] = lists
         return lists
 
     def to_block_mask(self, tail_slots: bool = False, for_backward: bool = True):
