@@ -100,6 +100,10 @@ class Route:
         """The caller's token of every row of the backend's layout, when the two differ (int64)."""
         return None
 
+    def tiled_all(self, xs: Sequence[Optional[Tensor]], backend: Backend) -> List[Optional[Tensor]]:
+        """:meth:`tiled` of each of ``xs`` (None stays None); ``backend`` may make them at once."""
+        return list(xs)
+
     def gate(self, gate: Optional[Tensor], tq: Tensor) -> Optional[Tensor]:
         """The coarse gate in the backend's layout (``tq``: q in that layout)."""
         return gate
@@ -164,6 +168,15 @@ class VideoRoute(Route):
 
     def output_rows(self) -> Tensor:
         return self.layout.gather
+
+    def tiled_all(self, xs, backend):
+        """By the backend (``Backend.tiled_copies``: several tensors in one launch) where it makes
+        them, else one gather each."""
+        present = [x for x in xs if x is not None]
+        made = backend.tiled_copies(present, self.layout.gather, self.layout.block_len, self.rows()) \
+            if present and backend.row_table else None
+        made = iter(made if made is not None else [self.tiled(x) for x in present])
+        return [None if x is None else next(made) for x in xs]
 
     def gate(self, gate, tq):
         return tiling.tiled_gate(gate, tq, self.layout)
@@ -355,17 +368,16 @@ def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, gr
                                              backend or None, required={4: "key_bias"}, settings=settings)
         return gq, gk, gv, gg if gate_grad else None, gb
 
-    # The own backward reads the backend's layout: tiled copies for VSA, even where the forward read
-    # the row table. On an H200 (B=1 H=56 D=128 bf16, gated, 16x48x48 with 58 of 576 tiles) forward
-    # + backward took 48.9 ms with tiled copies in the backward against 60.6 ms with both backward
-    # kernels reading through the table (each inner-loop block load waits on its row index), 87.9
-    # against 108.1 ms with 116 tiles, 6.21 against 6.97 ms at 8x32x32; the forward's key loop
-    # reads a tiled copy already (tile_kv), and there the table costs nothing measurable.
-    # A backend that reads a row table reads the output and writes the gradients in the caller's
-    # token order itself (only its inner loops read the tiled copies): no gather of the output and
-    # none of the four gradients back (at 16x48x48, H=56, D=128 each is ~0.3 ms on an H200).
-    tq, tk, tv = (route.tiled(x) for x in (q, k, v))
-    tg = route.gate(gate, tq)
+    # The own backward's inner loops read tiled copies for VSA, even where the forward read the row
+    # table: on an H200 (B=1 H=56 D=128 bf16, gated, 16x48x48, 58 of 576 tiles) forward + backward
+    # took 48.9 ms so against 60.6 ms with both backward kernels reading through the table (each
+    # block load waits on its row index), 87.9 against 108.1 ms with 116 tiles. A backend that reads
+    # a row table reads the output and writes the gradients in the caller's order itself (no gather
+    # of the output nor of the four gradients back: ~0.3 ms each at 16x48x48 on an H200). q, k, v,
+    # dO and a gate of q's shape are tiled at once (in one launch where the backend makes them).
+    gate_rows = gate if gate is not None and gate.dim() > 0 else None
+    tq, tk, tv, tdo, tg = route.tiled_all((q, k, v, grad_out, gate_rows), own)
+    tg = tg if gate_rows is not None else route.gate(gate, tq)
     rows = route.output_rows() if own.row_table else None
     # the output to the backend's rows and its gradients back: done by the backend itself with rows
     to_rows, from_rows = (route.tiled, route.untiled) if rows is None else (_as_is, _as_is)
@@ -374,8 +386,7 @@ def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, gr
         return route.problem(qd, kd, vd, tg, key_bias, block_len)
 
     gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, (tq, tk, tv), to_rows(out), lse, resid,
-                                     route.tiled(grad_out), bias_grad=bias_grad, settings=settings, saved=plan,
-                                     rows=rows)
+                                     tdo, bias_grad=bias_grad, settings=settings, saved=plan, rows=rows)
     gq, gk, gv = (from_rows(g) for g in (gq, gk, gv))
     if gg is not None and gate_grad:                 # a constant (0-dim) gate sums its rows' gradients
         gg = (gg.sum() if gate.dim() == 0 else from_rows(gg)).to(gate.dtype)

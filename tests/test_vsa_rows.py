@@ -32,7 +32,7 @@ from solattn.routing.fused import FusedPlanTuning  # noqa: E402
 from test_video import make_inputs, oracle_vsa  # noqa: E402
 
 #: how the forward reads k and v: through the row table (pointer loads), or from the tiled copy of
-#: kernel.tile_kv (TMA loads)
+#: kernel.tile_rows (TMA loads)
 LOADS = {"pointer": TritonTuning(forward=KernelConfig(4, 3, tma=False)),
          "tma-copy": TritonTuning(forward=KernelConfig(4, 3, tma=True))}
 
@@ -107,7 +107,7 @@ def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_
     # the call: TMA loads read tiled copies of k and v and block_len's lengths carried with the
     # listed indices, both made by the fused plan's own kernels (means, select) on the way
     public, launched[:] = list(launched), []
-    assert "tile_kv" not in public and "len_codes" not in public and public.count("sol_attn_fwd") == 1
+    assert "tile_rows" not in public and "len_codes" not in public and public.count("sol_attn_fwd") == 1
 
     # the same launch into a NaN-poisoned output: every token written (once: the result is the
     # public call's, bit for bit), the long prefix programs first
@@ -119,10 +119,10 @@ def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_
     with tuning(LOADS[load]):
         launch(problem, route.plan(problem, fused=True), out=poisoned)
     assert torch.equal(poisoned, out)
-    # from a plan built without them, the forward makes both itself (tile_kv, len_codes), with
+    # from a plan built without them, the forward makes both itself (tile_rows, len_codes), with
     # the same output bit for bit
     made = {"pointer": 0, "tma-copy": 1}[load]
-    assert launched.count("tile_kv") == made and launched.count("len_codes") == made
+    assert launched.count("tile_rows") == made and launched.count("len_codes") == made
     assert launched.count("sol_attn_fwd") == 1
 
 
@@ -226,7 +226,7 @@ def test_torch_plan_refuses_a_row_table():
 
 
 def test_fused_plan_makes_the_forward_kernels_copies_and_codes_on_the_way():
-    """With ``extras``, the means kernel writes the tiled copies of k and v that ``tile_kv`` makes
+    """With ``extras``, the means kernel writes the tiled copies of k and v that ``tile_rows`` makes
     (zeros in the dead rows), and the select kernel the codes that ``len_codes`` makes; the plan
     hands each out once (:meth:`Plan.take`)."""
     grid, segments = (3, 7, 6), (5, 130)
@@ -247,3 +247,27 @@ def test_fused_plan_makes_the_forward_kernels_copies_and_codes_on_the_way():
     assert plan.take("tiled_kv") is None and plan.take("len_codes") is None
     with pytest.raises(ValueError, match=r"'extras' received \['tiles'\]"):
         route.plan(problem, True, frozenset({"tiles"}))
+
+
+def test_tiled_copies_are_the_tiled_layout_in_as_few_launches_as_dtypes_and_strides_allow(monkeypatch):
+    """``tiled_copies`` (the backward's q, k, v, dO and gate; the forward's k and v): each tensor as
+    ``tiling.to_tiled`` lays it out, dead rows zero; one launch per run of up to five tensors of
+    one dtype and strides; an fp32 gate, a transposed view and a sixth tensor start new runs."""
+    lay = tiling.layout((3, 7, 6), tiling.DEFAULT_CUBE, (5, 130), torch.device("cpu"))
+    T_in, T = 5 + 130 + 3 * 7 * 6, lay.block_len.shape[0] * 64
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, T_in, 3, 16, generator=g).to(torch.bfloat16) for _ in range(5)]
+    gate32 = torch.rand(2, T_in, 3, 16, generator=g)
+    view = torch.randn(2, 3, T_in, 16, generator=g).to(torch.bfloat16).transpose(1, 2)
+    launched = []
+    real = runtime.compiled
+    monkeypatch.setattr(runtime, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
+    for group, launches in ((xs, 1), (xs[:3] + [gate32], 2), ([view] + xs[:2], 2), (xs + xs[:1], 2), (xs[:1], 1)):
+        launched.clear()
+        got = tb.tiled_copies(group, lay.gather, lay.block_len, T)
+        assert launched == ["tile_rows"] * launches
+        assert len(got) == len(group)
+        for a, x in zip(got, group):
+            want = tiling.to_tiled(x, lay)
+            assert a.dtype == x.dtype and a.is_contiguous() and torch.equal(a, want)
+        assert (lay.block_len < 64).any()          # dead rows, zero in both

@@ -155,6 +155,14 @@ class Backend:
         with ``Plan.take``; a plan without them still runs (the backend then makes them)."""
         return frozenset()
 
+    def tiled_copies(self, xs: List[torch.Tensor], rows: torch.Tensor, block_len: torch.Tensor,
+                     T: int) -> Optional[List[torch.Tensor]]:
+        """With ``row_table``: contiguous copies of the ``(B, T_in, H, D)`` tensors ``xs`` in the tiled
+        layout of the row table ``rows`` (int64 ``(T,)``; dead rows, by ``block_len``, hold zeros),
+        as ``solattn.tiling.to_tiled`` makes them, if the backend makes them at once (its own
+        backward's inputs); None: the op layer gathers them one by one."""
+        return None
+
     def forward(self, problem: Problem, plan=None) -> torch.Tensor:
         """Compute the ``(B, T, H, D)`` output (v's dtype, contiguous)."""
         raise NotImplementedError

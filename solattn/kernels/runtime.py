@@ -14,10 +14,13 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 
-def gpu_jit(fn) -> JITFunction:
+def gpu_jit(fn=None, *, do_not_specialize=()):
     """``fn`` as a compiled ``JITFunction``. Not ``triton.jit``: that returns an interpreted
     function when ``TRITON_INTERPRET=1`` happens to be set at import time, and the process would
-    then never compile for the GPU."""
+    then never compile for the GPU. ``@gpu_jit(do_not_specialize=[...])``: those arguments'
+    values are not specialised on (Triton's option of that name)."""
+    if fn is None:
+        return lambda f: JITFunction(f, do_not_specialize=list(do_not_specialize))
     return JITFunction(fn)
 
 

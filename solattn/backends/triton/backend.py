@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -153,16 +153,34 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
 
 def tiled_kv(ops: KernelOperands, B: int, T: int, H: int, D: int):
     """Contiguous ``(B, T, H, D)`` copies of k and v in the row table's order, zeros in the dead
-    rows (``kernel.tile_kv``, one launch for both): what TMA loads of a problem with a row table read."""
+    rows (:func:`tiled_copies`): what TMA loads of a problem with a row table read."""
+    return tiled_copies((ops.k, ops.v), ops.rows, ops.block_len, T)
+
+
+def tiled_copies(xs: Sequence[torch.Tensor], rows: torch.Tensor, block_len: torch.Tensor,
+                 T: int) -> List[torch.Tensor]:
+    """Contiguous ``(B, T, H, D)`` copies of the ``(B, T_in, H, D)`` tensors ``xs`` in the tiled
+    layout of the row table ``rows`` (int64 ``(T,)``: row r holds token ``rows[r]`` when live,
+    ``r mod 64 < block_len[r // 64]``), zeros in the dead rows, as :func:`solattn.tiling.to_tiled`
+    makes them: one :func:`kernel.tile_rows` launch for each run of up to five tensors of one dtype
+    and strides (views of one buffer), where a gather and a fill each took a torch op."""
     from ...kernels.runtime import compiled  # imports triton
     from . import kernel
 
-    kt = torch.empty((B, T, H, D), dtype=ops.k.dtype, device=ops.k.device)
-    vt = torch.empty((B, T, H, D), dtype=ops.v.dtype, device=ops.v.device)
-    compiled(ops.interpret, kernel.tile_kv)[(-(-T // BLOCK), B * H)](
-        ops.k, ops.v, kt, vt, ops.rows, ops.block_len, *ops.k.stride(), *ops.v.stride(), T, H,
-        HEAD_DIM=D, BLOCK=BLOCK)
-    return kt, vt
+    first = xs[0]
+    B, _, H, D = first.shape
+    interpret = interpret_on(first.device)
+    same = [x for x in xs[:kernel.TILE_ROWS_MAX] if x.dtype == first.dtype and x.stride() == first.stride()]
+    if len(same) < len(xs) and any(x is not y for x, y in zip(same, xs)):     # not a prefix: one at a time
+        return [c for x in xs for c in tiled_copies((x,), rows, block_len, T)]
+    out = torch.empty((len(same), B, T, H, D), dtype=first.dtype, device=first.device)
+    size = first.element_size()
+    offsets = [(x.data_ptr() - first.data_ptr()) // size for x in same[1:]]
+    offsets += [0] * (kernel.TILE_ROWS_MAX - 1 - len(offsets))
+    compiled(interpret, kernel.tile_rows)[(-(-T // BLOCK), B * H, len(same))](
+        first, out, rows, block_len, *offsets, *first.stride(), T, H, HEAD_DIM=D, BLOCK=BLOCK)
+    copies = list(out.unbind(0))
+    return copies + (tiled_copies(xs[len(same):], rows, block_len, T) if len(same) < len(xs) else [])
 
 
 class TritonBackend(Backend):
@@ -195,6 +213,10 @@ class TritonBackend(Backend):
         """The tiled copies of k and v and the length codes, where the forward's TMA loads read them."""
         _, tile, len_code = _reads(problem, _forward_config(problem), interpret_on(problem.device))
         return frozenset(name for name, wanted in (("tiled_kv", tile), ("len_codes", len_code)) if wanted)
+
+    def tiled_copies(self, xs, rows, block_len, T):
+        """One :func:`kernel.tile_rows` launch for up to five tensors of one dtype and strides."""
+        return tiled_copies(xs, rows, block_len, T)
 
     def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None,
                 buffers: Optional[BackwardBuffers] = None) -> torch.Tensor:

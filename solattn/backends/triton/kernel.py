@@ -8,7 +8,7 @@ tensor descriptors (``KV_TMA``, sm_90+). A problem with a row table
 (``Problem.rows``: VSA's tiled layout over the model's token order) reads its query
 rows and gate and writes its output at the table's tokens (``ROWS``), and its keys and
 values either the same way (``KV_ROWS``, pointer loads), or from a tiled copy that
-:func:`tile_kv` writes for TMA loads, which need a block's rows contiguous.
+:func:`tile_rows` writes for TMA loads, which need a block's rows contiguous.
 
 Two identities keep the inner loop as short as dense flash attention's:
 
@@ -339,21 +339,29 @@ def sol_attn_fwd(
         tl.store(Lse + plan_row * BLOCK + rows, lse)
 
 
-@gpu_jit
-def tile_kv(K, V, Kt, Vt, Rows, BlockLen, skb, skt, skh, skd, svb, svt, svh, svd, T, H,
-            HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """One block of rows of K and V (program ids: block, b*H + h) read at the row table's tokens into
-    the contiguous ``(B, T, H, D)`` copies Kt and Vt, zeros in its dead rows: what the TMA loads of
-    ``sol_attn_fwd`` read for a problem with a row table (``TMA_LEN``: dead rows hold zeros)."""
+#: the most tensors one :func:`tile_rows` launch copies
+TILE_ROWS_MAX = 5
+
+
+@gpu_jit(do_not_specialize=["O1", "O2", "O3", "O4"])
+def tile_rows(X, Y, Rows, BlockLen, O1, O2, O3, O4, sxb, sxt, sxh, sxd, T, H,
+              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of rows (program ids: block, b*H + h, tensor) of one of up to five tensors of one
+    dtype and strides, read at the row table's tokens into its part of Y, their contiguous ``(N, B,
+    T, H, D)`` tiled copies, zeros in the dead rows: what TMA loads read for a problem with a row
+    table (``sol_attn_fwd``'s k and v; the backward's q, k, v, gate and dO). Tensor t starts ``Ot``
+    elements after X (tensor 0); the offsets are not specialised on (they change every call)."""
     j = tl.program_id(0)
     bh = tl.program_id(1)
+    t = tl.program_id(2)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    k, tok, row_ok, _src, _live = query_rows(K, Rows, BlockLen, j, b, h, skb, skt, skh, skd, T, HEAD_DIM, BLOCK, True)
-    v, tok, row_ok, _src, _live = query_rows(V, Rows, BlockLen, j, b, h, svb, svt, svh, svd, T, HEAD_DIM, BLOCK, True)
-    dst = ((b * T + tok.to(tl.int64)[:, None]) * H + h) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(Kt + dst, k, mask=row_ok[:, None])
-    tl.store(Vt + dst, v, mask=row_ok[:, None])
+    off = tl.where(t == 1, O1, tl.where(t == 2, O2, tl.where(t == 3, O3, tl.where(t == 4, O4, 0))))
+    x, tok, row_ok, _src, _live = query_rows(X + off, Rows, BlockLen, j, b, h, sxb, sxt, sxh, sxd, T, HEAD_DIM,
+                                             BLOCK, True)
+    B = tl.num_programs(1) // H
+    dst = ((t * B + b) * T + tok.to(tl.int64)[:, None]) * H * HEAD_DIM + h * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(Y + dst, x, mask=row_ok[:, None])
 
 
 @gpu_jit
