@@ -9,7 +9,7 @@
 #                                            # every GPU test (slow or not)
 #   bash benchmarks/gpu_check.sh tests-b     # second half
 #   bash benchmarks/gpu_check.sh tests-slow  # the slow CPU-only tests (CI runs them too)
-#   bash benchmarks/gpu_check.sh bench-a     # benchmarks: peers (comfy-kitchen), plan
+#   bash benchmarks/gpu_check.sh bench-a     # benchmarks: peers (comfy-kitchen), plan, coarse
 #   bash benchmarks/gpu_check.sh bench-b     # benchmarks: backward, vsa (FastVideo)
 #   bash benchmarks/gpu_check.sh distributed # benchmarks: distributed, on 2 GPUs or more
 #
@@ -82,7 +82,7 @@ for step in "$@"; do
     tests-a) run_tests tests-a "not slow or gpu" $TESTS_A || status=1 ;;
     tests-b) run_tests tests-b "not slow or gpu" $TESTS_B || status=1 ;;
     tests-slow) run_tests tests-slow "slow and not gpu" tests/ || status=1 ;;
-    bench-a) bench peers plan || status=1 ;;
+    bench-a) bench peers plan coarse || status=1 ;;
     bench-b) bench backward vsa || status=1 ;;
     distributed) bench distributed --nproc "$($PY -c 'import torch; print(torch.cuda.device_count())')" || status=1 ;;
     *) echo "unknown step '$step'; allowed: tests tests-a tests-b tests-slow bench-a bench-b distributed" >&2; exit 2 ;;

@@ -51,6 +51,9 @@ BENCHMARKS: Dict[str, Tuple[str, List[str], str]] = {
     "host": ("host time of one eager call (triton backend): video_sparse_attn and sol_attn, forward and "
              "forward + backward, with result digests",
              [sys.executable, os.path.join(HERE, "bench_host.py"), "--out", "{out}"], "bench_host.md"),
+    "coarse": ("the triton backward's coarse-branch block gradients: two Triton kernels against the torch "
+               "products, GPU and host time, error against float64",
+               [sys.executable, os.path.join(HERE, "bench_coarse_grad.py"), "--out", "{out}"], "bench_coarse_grad.md"),
     "distributed": ("solattn.distributed (sequence parallel over P GPUs) against one GPU",
                     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "{nproc}",
                      os.path.join(HERE, "bench_distributed.py"), "--out",
