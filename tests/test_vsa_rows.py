@@ -236,7 +236,7 @@ def test_fused_plan_makes_the_forward_kernels_copies_and_codes_on_the_way():
     plan = route.plan(problem, True, frozenset({"tiled_kv", "len_codes"}))
     ops = tb.kernel_operands(problem, plan)
     kt, vt = plan.take("tiled_kv")
-    want_k, want_v = tb.tiled_kv(ops, problem.B, problem.T, problem.H, problem.D)
+    want_k, want_v = tb.tiled_kv(ops, problem.T)
     assert torch.equal(kt, want_k) and torch.equal(vt, want_v)
     assert torch.equal(want_k.float(), tiling.to_tiled(k, route.layout).float())    # zeros in the dead rows
     codes = plan.take("len_codes")
@@ -252,7 +252,10 @@ def test_fused_plan_makes_the_forward_kernels_copies_and_codes_on_the_way():
 def test_tiled_copies_are_the_tiled_layout_in_as_few_launches_as_dtypes_and_strides_allow(monkeypatch):
     """``tiled_copies`` (the backward's q, k, v, dO and gate; the forward's k and v): each tensor as
     ``tiling.to_tiled`` lays it out, dead rows zero; one launch per run of up to five tensors of
-    one dtype and strides; an fp32 gate, a transposed view and a sixth tensor start new runs."""
+    one dtype and strides; an fp32 gate, a transposed view and a sixth tensor start new runs, a
+    tensor of another dtype or strides between two of one run makes one launch per tensor. Views
+    of one buffer in any order, one tensor given three times and broadcast (stride-0) views are
+    read where they lie."""
     lay = tiling.layout((3, 7, 6), tiling.DEFAULT_CUBE, (5, 130), torch.device("cpu"))
     T_in, T = 5 + 130 + 3 * 7 * 6, lay.block_len.shape[0] * 64
     g = torch.Generator().manual_seed(3)
@@ -262,7 +265,11 @@ def test_tiled_copies_are_the_tiled_layout_in_as_few_launches_as_dtypes_and_stri
     launched = []
     real = runtime.compiled
     monkeypatch.setattr(runtime, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
-    for group, launches in ((xs, 1), (xs[:3] + [gate32], 2), ([view] + xs[:2], 2), (xs + xs[:1], 2), (xs[:1], 1)):
+    q, k, v = torch.randn(2, T_in, 3, 3, 16, generator=g).to(torch.bfloat16).unbind(2)
+    row = torch.randn(1, 1, 3, 16, generator=g).to(torch.bfloat16)
+    broadcast = [row.expand(2, T_in, 3, 16), row[:, :, :1].expand(2, T_in, 3, 16)]
+    for group, launches in ((xs, 1), (xs[:3] + [gate32], 2), ([view] + xs[:2], 2), (xs + xs[:1], 2), (xs[:1], 1),
+                            (xs[:2] + [gate32] + xs[2:3], 4), ([v, k, q], 1), (xs[1:2] * 3, 1), (broadcast, 2)):
         launched.clear()
         got = tb.tiled_copies(group, lay.gather, lay.block_len, T)
         assert launched == ["tile_rows"] * launches
@@ -271,3 +278,42 @@ def test_tiled_copies_are_the_tiled_layout_in_as_few_launches_as_dtypes_and_stri
             want = tiling.to_tiled(x, lay)
             assert a.dtype == x.dtype and a.is_contiguous() and torch.equal(a, want)
         assert (lay.block_len < 64).any()          # dead rows, zero in both
+
+
+def test_tiled_copies_of_tensors_an_odd_number_of_bytes_apart_are_exact():
+    """Two bf16 tensors of one dtype and strides whose addresses differ by an odd number of bytes
+    (foreign memory, e.g. ``torch.frombuffer`` at an odd offset): no element offset reaches the
+    second from the first, so each is copied from its own address, exactly."""
+    lay = tiling.layout((2, 4, 4), tiling.DEFAULT_CUBE, (), torch.device("cpu"))
+    T_in, T = 32, lay.block_len.shape[0] * 64
+    count = 2 * T_in * 2 * 16
+    buf = bytearray(4 * count + 16)
+    a, b = (torch.frombuffer(buf, dtype=torch.bfloat16, offset=at, count=count).view(2, T_in, 2, 16)
+            for at in (0, 2 * count + 1))
+    assert (b.data_ptr() - a.data_ptr()) % 2 == 1
+    g = torch.Generator().manual_seed(8)
+    for x in (a, b):
+        x.copy_(torch.randn(x.shape, generator=g))
+    got = tb.tiled_copies([a, b], lay.gather, lay.block_len, T)
+    for copy, x in zip(got, (a, b)):
+        assert torch.equal(copy, tiling.to_tiled(x, lay))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's copies of GPU tensors")
+def test_tiled_copies_of_gpu_tensors_under_the_interpreter(monkeypatch):
+    """Under ``TRITON_INTERPRET=1`` GPU tensors reach a kernel as host copies of their storages, so
+    tensors of two storages are copied one launch each (from its own copy), and views of one
+    storage still in one launch: each as ``tiling.to_tiled`` lays it out."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    lay = tiling.layout((3, 7, 6), tiling.DEFAULT_CUBE, (5,), torch.device("cuda"))
+    T_in, T = 5 + 3 * 7 * 6, lay.block_len.shape[0] * 64
+    qkv = torch.randn(2, T_in, 3, 2, 16, device="cuda").to(torch.bfloat16)
+    other = torch.randn(2, T_in, 3, 2, 16, device="cuda").to(torch.bfloat16)[:, :, 0]
+    xs = list(qkv.unbind(2)) + [other]
+    launched = []
+    real = runtime.compiled
+    monkeypatch.setattr(runtime, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
+    got = tb.tiled_copies(xs, lay.gather, lay.block_len, T)
+    assert launched == ["tile_rows"] * 2
+    for copy, x in zip(got, xs):
+        assert torch.equal(copy, tiling.to_tiled(x, lay))

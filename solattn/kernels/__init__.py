@@ -6,6 +6,7 @@ Importing this package never imports Triton; :mod:`.runtime` does (``gpu_jit``, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -81,11 +82,17 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def on_device(device: torch.device):
+    """A context in which Triton launches on ``device``: they take the current CUDA device (and its
+    stream), which need not be the tensors'; nothing to switch elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Whether solattn's Triton kernels run for tensors on ``device``: a CUDA device, or the CPU
     under ``TRITON_INTERPRET=1`` (tests), with Triton importable."""
     return (device.type == "cuda" or (device.type == "cpu" and interpreting())) and triton_installed()
 
 
-__all__ = ["cuda_capability", "device_constant", "interpret_on", "interpretable", "interpreting", "triton_installed",
-           "triton_runs_on"]
+__all__ = ["cuda_capability", "device_constant", "interpret_on", "interpretable", "interpreting", "on_device",
+           "triton_installed", "triton_runs_on"]

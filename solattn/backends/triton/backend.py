@@ -6,7 +6,6 @@ first forward call, and a missing Triton is reported as a reason instead.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from typing import List, Optional, Sequence, Tuple
@@ -14,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ...config import current_tuning, graph_recording
-from ...kernels import interpret_on, interpreting
+from ...kernels import interpret_on, interpreting, on_device
 from ...kernels import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend, BackwardBuffers, Gradients
@@ -109,7 +108,7 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
     made_kv, made_codes = plan.take("tiled_kv"), plan.take("len_codes")     # by the fused plan's kernels
     q, k_arg, v_arg = ops.q, ops.k, ops.v
     if tile:          # TMA reads a block's rows contiguous: a tiled copy
-        k_arg, v_arg = made_kv or tiled_kv(ops, B, T, H, D)
+        k_arg, v_arg = made_kv or tiled_kv(ops, T)
     k_strides, v_strides = k_arg.stride(), v_arg.stride()
     if use_tma:
         k_arg, v_arg = tma_descriptors(k_arg, v_arg)
@@ -151,7 +150,7 @@ def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Te
     return out
 
 
-def tiled_kv(ops: KernelOperands, B: int, T: int, H: int, D: int):
+def tiled_kv(ops: KernelOperands, T: int):
     """Contiguous ``(B, T, H, D)`` copies of k and v in the row table's order, zeros in the dead
     rows (:func:`tiled_copies`): what TMA loads of a problem with a row table read."""
     return tiled_copies((ops.k, ops.v), ops.rows, ops.block_len, T)
@@ -162,15 +161,16 @@ def tiled_copies(xs: Sequence[torch.Tensor], rows: torch.Tensor, block_len: torc
     """Contiguous ``(B, T, H, D)`` copies of the ``(B, T_in, H, D)`` tensors ``xs`` in the tiled
     layout of the row table ``rows`` (int64 ``(T,)``: row r holds token ``rows[r]`` when live,
     ``r mod 64 < block_len[r // 64]``), zeros in the dead rows, as :func:`solattn.tiling.to_tiled`
-    makes them: one :func:`kernel.tile_rows` launch for each run of up to five tensors of one dtype
-    and strides (views of one buffer), where a gather and a fill each took a torch op."""
+    makes them: one :func:`kernel.tile_rows` launch for each run of up to five tensors that it
+    reads from the first one's address (:func:`_joins`), where a gather and a fill each took a
+    torch op. Launched on the current device."""
     from ...kernels.runtime import compiled  # imports triton
     from . import kernel
 
     first = xs[0]
     B, _, H, D = first.shape
     interpret = interpret_on(first.device)
-    same = [x for x in xs[:kernel.TILE_ROWS_MAX] if x.dtype == first.dtype and x.stride() == first.stride()]
+    same = [x for x in xs[:kernel.TILE_ROWS_MAX] if _joins(x, first, interpret)]
     if len(same) < len(xs) and any(x is not y for x, y in zip(same, xs)):     # not a prefix: one at a time
         return [c for x in xs for c in tiled_copies((x,), rows, block_len, T)]
     out = torch.empty((len(same), B, T, H, D), dtype=first.dtype, device=first.device)
@@ -181,6 +181,21 @@ def tiled_copies(xs: Sequence[torch.Tensor], rows: torch.Tensor, block_len: torc
         first, out, rows, block_len, *offsets, *first.stride(), T, H, HEAD_DIM=D, BLOCK=BLOCK)
     copies = list(out.unbind(0))
     return copies + (tiled_copies(xs[len(same):], rows, block_len, T) if len(same) < len(xs) else [])
+
+
+def _joins(x: torch.Tensor, first: torch.Tensor, interpret: bool) -> bool:
+    """Whether one :func:`kernel.tile_rows` launch reads ``x`` at an element offset from ``first``:
+    the same dtype and strides, a whole number of elements apart (a tensor of foreign memory may
+    sit at any byte), and real addresses: the interpreter copies a GPU tensor's storage to the
+    host, so there only views of one storage keep their distance."""
+    if x is first:
+        return True
+    if x.dtype != first.dtype or x.stride() != first.stride():
+        return False
+    if (x.data_ptr() - first.data_ptr()) % first.element_size():
+        return False
+    return not interpret or first.device.type == "cpu" or \
+        x.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
 
 
 class TritonBackend(Backend):
@@ -215,8 +230,10 @@ class TritonBackend(Backend):
         return frozenset(name for name, wanted in (("tiled_kv", tile), ("len_codes", len_code)) if wanted)
 
     def tiled_copies(self, xs, rows, block_len, T):
-        """One :func:`kernel.tile_rows` launch for up to five tensors of one dtype and strides."""
-        return tiled_copies(xs, rows, block_len, T)
+        """One :func:`kernel.tile_rows` launch for up to five tensors of one dtype and strides, on
+        their device (the op layer's backward may run under another current device)."""
+        with on_device(xs[0].device):
+            return tiled_copies(xs, rows, block_len, T)
 
     def forward(self, problem: Problem, plan=None, config: Optional[KernelConfig] = None,
                 buffers: Optional[BackwardBuffers] = None) -> torch.Tensor:
@@ -225,7 +242,7 @@ class TritonBackend(Backend):
         if plan is None:
             raise ValueError("triton backend: forward needs the routing plan (solattn.routing.build_plan(problem))")
         lse, resid = buffers if buffers is not None else (None, None)
-        with torch.no_grad(), _on_device(problem):
+        with torch.no_grad(), on_device(problem.device):
             return launch(problem, plan, config, lse=lse, resid=resid)
 
     def forward_for_backward(self, problem: Problem, plan, buffers: BackwardBuffers) -> torch.Tensor:
@@ -236,14 +253,10 @@ class TritonBackend(Backend):
         """The fused backward (:mod:`solattn.backends.triton.backward`): two kernels give the
         token-level gradients (the coarse branch's included) and the block-level sums of the tail's terms."""
         from . import backward  # imports triton
-        with _on_device(problem):
+        with on_device(problem.device):
             g = backward.fused_backward(problem, plan, out, buffers.lse, buffers.resid, grad_out, bias_grad=bias_grad,
                                         rows=rows)
         terms = {"tail_lse": g.dtail_lse, "tail_value": g.dtail_value, "key_mean": g.dkey_mean}
         return Gradients(dq=g.dq, dk=g.dk, dv=g.dv, dgate=g.dgate, dbias=g.dbias,
                          plan={name: t for name, t in terms.items() if t is not None})
 
-
-def _on_device(problem: Problem):
-    """Launch on the inputs' GPU (the kernels take the current device's stream)."""
-    return torch.cuda.device(problem.device) if problem.device.type == "cuda" else contextlib.nullcontext()
