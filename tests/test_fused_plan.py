@@ -440,7 +440,7 @@ def test_kth_kernel_finds_the_kth_largest_key(kind, n):
     cand[s0:s1] = False
     ck = key[:, :R][..., cand]
     NA = 1 << (n.bit_length() - 1)
-    NB = 0 if n == NA else max(16, fused._pow2(n - NA))
+    NB = 0 if n == NA else max(16, fused.pow2(n - NA))
     for kk in (1, n // 5, n - 3):
         kth = ck.sort(-1, descending=True).values[..., kk - 1]
         for rb in (1, 2):

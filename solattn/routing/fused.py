@@ -51,7 +51,7 @@ import torch
 
 from ..budget import current_budget
 from ..config import Tuning, current_tuning
-from ..kernels import cuda_capability, device_constant, interpret_on, interpretable, interpreting, triton_installed
+from ..kernels import cuda_capability, device_constant, interpret_on, interpretable, on_device, triton_runs_on
 from ..validation import BLOCK, Problem, fail
 from .plan import Plan
 from .select import topk_count
@@ -178,10 +178,7 @@ def fused_plan_usable(problem: Problem) -> bool:
     shape (B=2, T=4056, H=16) its kernels take 0.05-0.07 ms of GPU time against the torch plan's
     1.0 ms of mostly launch-bound work, and at H3 (B=1, T=37296, H=56) 0.72 ms (top-k) and
     0.87 ms (tau with the tail) against 2.5-3.1 ms (``python benchmarks/run.py plan``; docs/kernel-notes.md)."""
-    dev = problem.device.type
-    if not (dev == "cuda" or (dev == "cpu" and interpreting())):
-        return False
-    if problem.requires_grad or not triton_installed():
+    if problem.requires_grad or not triton_runs_on(problem.device):
         return False
     D = problem.D
     if D < 16 or D > 256 or D & (D - 1):
@@ -189,7 +186,8 @@ def fused_plan_usable(problem: Problem) -> bool:
     return problem.n <= current_tuning(FusedPlanTuning).max_fused_blocks and fused_plan_bytes(problem) <= current_budget("sdpa")
 
 
-def _pow2(x: int) -> int:
+def pow2(x: int) -> int:
+    """The least power of two >= ``x`` (1 for ``x <= 1``): a register tile's extent."""
     return 1 << max(0, x - 1).bit_length()
 
 
@@ -247,10 +245,8 @@ def fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet[
     if unknown:
         raise ValueError(f"fused_plan: argument 'extras' received {sorted(unknown)}; allowed: a subset of "
                          f"{sorted(PLAN_EXTRAS)}")
-    if problem.device.type == "cuda":
-        with torch.cuda.device(problem.device):     # Triton launches on the current device
-            return _fused_plan(problem, rule=rule, extras=extras)
-    return _fused_plan(problem, rule=rule, extras=extras)
+    with on_device(problem.device):
+        return _fused_plan(problem, rule=rule, extras=extras)
 
 
 def _stages(tuning: dict, key: str) -> dict:
@@ -296,7 +292,7 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet
     var = torch.empty(G, D, dtype=f32, device=dev) if tau_mode else m
     bd = tuning.get("centroid_bd", min(D, 32))
     compiled(interpret, fk.centroid_kernel)[(G, D // bd)](
-        km, m, var, n, NEED_VAR=tau_mode, HEAD_DIM=D, BD=bd, BJ=max(16, min(256, _pow2(n), 8192 // bd)),
+        km, m, var, n, NEED_VAR=tau_mode, HEAD_DIM=D, BD=bd, BJ=max(16, min(256, pow2(n), 8192 // bd)),
         num_warps=4)
 
     # launch parameters from sweeps on an H200 at D=128 (sweeps kept in git history;
@@ -310,11 +306,11 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet
     ieee = precision == "ieee"
     block_i = tuning.get("block_i", 16 if not ieee or D > 128 or interpret or G * -(-n // 32) < 264 else 32)
     bj = tuning.get("bj", 64 if D <= 64 else 32)
-    NP = _pow2(n)
+    NP = pow2(n)
     # a row of n scores as two power-of-two pieces (kth_keys): the largest power of two <= n, then
     # the rest padded (at least 16 wide)
     NA = 1 << (n.bit_length() - 1)
-    NB = 0 if n == NA else max(16, _pow2(n - NA))
+    NB = 0 if n == NA else max(16, pow2(n - NA))
     rb = tuning.get("rb", max(1, min(block_i, _SELECT_TILE_ELEMS // NP)))
     # the top-k bisection's own kernel (kth_kernel): rows per program and warps, so that each
     # thread holds at most _KTH_KEYS_PER_THREAD keys, in one warp while whole rows allow it

@@ -29,8 +29,9 @@ from typing import Tuple
 import torch
 import triton.language as tl
 
-from ..kernels import interpret_on
+from ..kernels import interpret_on, on_device
 from ..kernels.runtime import compiled, gpu_jit
+from .fused import pow2
 
 #: elements of one program's largest register tile (its window of list entries, its chunk of
 #: rows of q_indices): a few thousand, as the fused plan's kernels keep
@@ -101,10 +102,6 @@ def query_lists_kernel(KvNum, KvIdx, QNum, QIdx, n, H, steps,
     tl.store(QNum + g * n + jj, count, mask=jj < n)
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
 def query_lists(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The selection ``kv_num_blocks (B, H, n)``, ``kv_indices (B, H, n, n)`` (int32, each list
     ascending in its first ``kv_num_blocks`` entries; any strides) transposed: ``(q_num_blocks
@@ -115,7 +112,7 @@ def query_lists(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor) -> Tuple[
     dev = kv_indices.device
     q_num = torch.empty(B, H, n, dtype=torch.int32, device=dev)
     q_idx = torch.empty(B, H, n, n, dtype=torch.int32, device=dev)
-    NP = _pow2(n)
+    NP = pow2(n)
     # 8 or more programs per batch * head up to n = 128, then 64 key blocks each (10 at n = 583, 32
     # at 2048); the other tiles at about _TILE_ELEMS elements
     bj = min(64, max(16, NP // 8))
@@ -124,10 +121,7 @@ def query_lists(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor) -> Tuple[
     launch = compiled(interpret_on(dev), query_lists_kernel)[(-(-n // bj), B * H)]
     args = (kv_num_blocks, kv_indices, q_num, q_idx, n, H, n.bit_length(), *kv_num_blocks.stride(),
             *kv_indices.stride())
-    if dev.type == "cuda":
-        with torch.cuda.device(dev):                # Triton launches on the current device
-            launch(*args, BJ=bj, BI=bi, BW=_WINDOW, BC=bc, num_warps=4)
-    else:
+    with on_device(dev):
         launch(*args, BJ=bj, BI=bi, BW=_WINDOW, BC=bc, num_warps=4)
     return q_num, q_idx
 
