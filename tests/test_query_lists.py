@@ -134,3 +134,15 @@ def test_n_wide_plan_takes_the_kernel_and_others_the_torch_path(monkeypatch, cou
         counted_launches.append(ops)
         on_cpu.query_lists()
     assert "kernel:query_lists_kernel" not in ops.ops and ops.ops["scatter_"] == 2, ops.ops
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16])
+def test_lists_of_another_integer_dtype_give_the_same_int32_lists(dtype, device, monkeypatch):
+    """A plan whose counts and lists are another integer dtype (one a caller built) transposes as
+    its int32 form does: the compiled kernel's search bounds stay int32 (a loop variable whose type
+    changed would not compile; the interpreter does not check)."""
+    counts, idx = selection(2, 2, 40, seed=9, prefix=1, empty_rows=3)
+    want, got = both_paths(monkeypatch, counts.to(dtype), idx.to(dtype), device)
+    assert_same(want, got)
+    assert_same(want, both_paths(monkeypatch, counts, idx, device)[1])

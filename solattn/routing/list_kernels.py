@@ -103,13 +103,17 @@ def query_lists_kernel(KvNum, KvIdx, QNum, QIdx, n, H, steps,
 
 
 def query_lists(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The selection ``kv_num_blocks (B, H, n)``, ``kv_indices (B, H, n, n)`` (int32, each list
-    ascending in its first ``kv_num_blocks`` entries; any strides) transposed: ``(q_num_blocks
+    """The selection ``kv_num_blocks (B, H, n)``, ``kv_indices (B, H, n, n)`` (integers, each list
+    ascending in its first ``kv_num_blocks`` entries; any strides; read as int32) transposed: ``(q_num_blocks
     (B, H, n), q_indices (B, H, n, n))`` int32, contiguous, for each key block j the query blocks
     whose list holds it, ascending, then 0. One launch, no host synchronisation: the result of
     :meth:`.plan.Plan.query_lists`'s torch path, bit for bit."""
     B, H, n = kv_num_blocks.shape
     dev = kv_indices.device
+    # the binary search's bounds stay int32 across its loop only from int32 counts and entries (a
+    # compiled kernel refuses a loop variable whose type changes; the interpreter does not check)
+    kv_num_blocks, kv_indices = (t if t.dtype == torch.int32 else t.to(torch.int32)
+                                 for t in (kv_num_blocks, kv_indices))
     q_num = torch.empty(B, H, n, dtype=torch.int32, device=dev)
     q_idx = torch.empty(B, H, n, n, dtype=torch.int32, device=dev)
     NP = pow2(n)
