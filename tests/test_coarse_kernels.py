@@ -136,5 +136,9 @@ def test_mismatched_shapes_are_refused_before_any_launch():
     means, dco, L = random_means(2, 5, 16, "cpu", seed=1)
     with pytest.raises(ValueError, match=r"received means \(3, 2, 5, 16\), dcoarse \(2, 4, 16\)"):
         fused_coarse_row_grads(means, dco[:, :4], L, 0.5)
-    with pytest.raises(ValueError, match="non-contiguous or non-fp32"):
+    with pytest.raises(ValueError, match=r"dcoarse torch.float64 \(contiguous: True\); allowed: fp32 contiguous"):
         fused_coarse_row_grads(means, dco.double(), L, 0.5)
+    with pytest.raises(ValueError, match=r"received means torch.float64 \(contiguous: True\)"):
+        fused_coarse_row_grads(means.double(), dco, L, 0.5)
+    with pytest.raises(ValueError, match=r"dcoarse torch.float32 \(contiguous: False\)"):
+        fused_coarse_row_grads(means, dco.transpose(1, 2).contiguous().transpose(1, 2), L, 0.5)

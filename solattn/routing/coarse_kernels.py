@@ -85,8 +85,9 @@ def fused_coarse_row_grads(means: torch.Tensor, dcoarse: torch.Tensor, L: torch.
     if three != 3 or dcoarse.shape != (G, n, D) or L.shape != (n,):
         raise ValueError(f"fused_coarse_row_grads: received means {tuple(means.shape)}, dcoarse "
                          f"{tuple(dcoarse.shape)}, L {tuple(L.shape)}; allowed: (3, G, n, D), (G, n, D), (n,)")
-    if not (means.is_contiguous() and dcoarse.is_contiguous() and dcoarse.dtype == torch.float32):
-        raise ValueError("fused_coarse_row_grads: received non-contiguous or non-fp32 means or dcoarse; "
+    if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (means, dcoarse)):
+        raise ValueError(f"fused_coarse_row_grads: received means {means.dtype} (contiguous: "
+                         f"{means.is_contiguous()}), dcoarse {dcoarse.dtype} (contiguous: {dcoarse.is_contiguous()}); "
                          "allowed: fp32 contiguous tensors")
     tile, chunk, warps = tile or TILE, chunk or CHUNK, num_warps or WARPS
     dev = means.device
