@@ -69,11 +69,6 @@ def plan_operands(plan: Optional[Plan]) -> Tuple[Optional[Tensor], ...]:
     return (None,) * PLAN_OPERANDS if plan is None else tuple(plan.tensors())
 
 
-def _given_plan(given: Sequence[Optional[Tensor]], seq_len: int) -> Plan:
-    """:func:`plan_operands` back to a plan, detached: a constant of the call."""
-    return Plan.from_tensors([None if t is None else t.detach() for t in given], seq_len)
-
-
 class Route:
     """``sol_attn``'s route: the caller's token layout and Sol-Attn's selection, or the caller's
     plan (``given``: :func:`plan_operands` of a plan checked by the front door; empty: none),
@@ -138,8 +133,8 @@ class Route:
     def plan(self, problem: Problem, fused: bool = False, extras: FrozenSet[str] = frozenset()):
         """The routing plan of ``problem``: the caller's, else the selection rule's (``extras``:
         what a fused plan also makes for the backend, ``Backend.plan_extras``)."""
-        if self.given:
-            return _given_plan(self.given, problem.T)
+        if self.given:           # plan_operands back to a plan, detached: a constant of the call
+            return Plan.from_tensors([None if t is None else t.detach() for t in self.given], problem.T)
         return self.build(problem, fused, extras)
 
     def build(self, problem: Problem, fused: bool = False, extras: FrozenSet[str] = frozenset()):
@@ -368,13 +363,12 @@ def _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, gr
                                              backend or None, required={4: "key_bias"}, settings=settings)
         return gq, gk, gv, gg if gate_grad else None, gb
 
-    # The own backward's inner loops read tiled copies for VSA, even where the forward read the row
-    # table: on an H200 (B=1 H=56 D=128 bf16, gated, 16x48x48, 58 of 576 tiles) forward + backward
-    # took 48.9 ms so against 60.6 ms with both backward kernels reading through the table (each
-    # block load waits on its row index), 87.9 against 108.1 ms with 116 tiles. A backend that reads
-    # a row table reads the output and writes the gradients in the caller's order itself (no gather
-    # of the output nor of the four gradients back: ~0.3 ms each at 16x48x48 on an H200). q, k, v,
-    # dO and a gate of q's shape are tiled at once (in one launch where the backend makes them).
+    # The own backward's inner loops read tiled copies for VSA even where the forward read the row
+    # table: on an H200 (B=1 H=56 D=128 bf16, gated, 16x48x48) forward + backward took 48.9 ms so
+    # against 60.6 ms through the table with 58 of 576 tiles, 87.9 against 108.1 ms with 116 (each
+    # block load waits on its row index). q, k, v, dO and a gate of q's shape are tiled at once (one
+    # launch where the backend makes them); a backend that reads a row table reads the output and
+    # writes the gradients in the caller's order itself (no gather: ~0.3 ms a tensor at 16x48x48).
     gate_rows = gate if gate is not None and gate.dim() > 0 else None
     tq, tk, tv, tdo, tg = route.tiled_all((q, k, v, grad_out, gate_rows), own)
     tg = tg if gate_rows is not None else route.gate(gate, tq)

@@ -25,8 +25,9 @@ def test_plan_knows_its_sizes():
 
 
 def test_query_lists_are_derived_once():
-    """The transposed lists (the fused backward's key-block walk) cost a host sync: a plan builds
-    them on the first request and hands out the same tensors afterwards."""
+    """The transposed lists (the fused backward's key-block walk) cost work worth keeping (a host
+    sync for the width of a plan narrower than n; a kernel, or a dozen torch ops, for an n-wide
+    one): a plan builds them on the first request and hands out the same tensors afterwards."""
     _, plan = _plan(topk_ratio=0.4)
     q_num, q_idx = plan.query_lists()
     again = plan.query_lists()

@@ -23,7 +23,7 @@ def means_kernel(Q, K, V, BlockLen, Rows, Qm, Km, Vm, Lout, Kt, Vt,
     the tensors (``Problem.rows``): the live rows are read there, in the same order, so the sums
     are those of a tiled copy. With TILE_KV that tiled copy of k and v is also written, into the
     contiguous ``(B, T, H, D)`` Kt and Vt with zeros in the dead rows (what the forward kernel's
-    TMA loads read; ``kernel.tile_kv``'s work, done here on the rows this kernel reads anyway)."""
+    TMA loads read, as ``kernel.tile_rows`` writes it, here on the rows this kernel reads anyway)."""
     j = tl.program_id(0)
     g = tl.program_id(1)
     b = (g // H).to(tl.int64)
