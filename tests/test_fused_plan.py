@@ -20,7 +20,7 @@ if not triton_interpretable():
     pytest.skip("needs Triton >= 3.9 for its CPU interpreter", allow_module_level=True)
 
 import solattn  # noqa: E402
-from solattn import config  # noqa: E402
+from solattn import config, kernels  # noqa: E402
 from solattn.backends.triton import TritonBackend  # noqa: E402
 from solattn.routing import build_plan, fused  # noqa: E402
 from solattn.testing import assert_selection_clear, make_qkv  # noqa: E402
@@ -440,7 +440,7 @@ def test_kth_kernel_finds_the_kth_largest_key(kind, n):
     cand[s0:s1] = False
     ck = key[:, :R][..., cand]
     NA = 1 << (n.bit_length() - 1)
-    NB = 0 if n == NA else max(16, fused.pow2(n - NA))
+    NB = 0 if n == NA else max(16, kernels.pow2(n - NA))
     for kk in (1, n // 5, n - 3):
         kth = ck.sort(-1, descending=True).values[..., kk - 1]
         for rb in (1, 2):

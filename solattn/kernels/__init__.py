@@ -88,6 +88,11 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def pow2(x: int) -> int:
+    """The least power of two >= ``x`` (1 for ``x <= 1``): a register tile's extent."""
+    return 1 << max(0, x - 1).bit_length()
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Whether solattn's Triton kernels run for tensors on ``device``: a CUDA device, or the CPU
     under ``TRITON_INTERPRET=1`` (tests), with Triton importable."""
@@ -95,4 +100,4 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 __all__ = ["cuda_capability", "device_constant", "interpret_on", "interpretable", "interpreting", "on_device",
-           "triton_installed", "triton_runs_on"]
+           "pow2", "triton_installed", "triton_runs_on"]

@@ -51,7 +51,7 @@ import torch
 
 from ..budget import current_budget
 from ..config import Tuning, current_tuning
-from ..kernels import cuda_capability, device_constant, interpret_on, interpretable, on_device, triton_runs_on
+from ..kernels import cuda_capability, device_constant, interpret_on, interpretable, on_device, pow2, triton_runs_on
 from ..validation import BLOCK, Problem, fail
 from .plan import Plan
 from .select import topk_count
@@ -184,11 +184,6 @@ def fused_plan_usable(problem: Problem) -> bool:
     if D < 16 or D > 256 or D & (D - 1):
         return False
     return problem.n <= current_tuning(FusedPlanTuning).max_fused_blocks and fused_plan_bytes(problem) <= current_budget("sdpa")
-
-
-def pow2(x: int) -> int:
-    """The least power of two >= ``x`` (1 for ``x <= 1``): a register tile's extent."""
-    return 1 << max(0, x - 1).bit_length()
 
 
 class Rule(NamedTuple):

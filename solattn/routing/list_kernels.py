@@ -29,9 +29,8 @@ from typing import Tuple
 import torch
 import triton.language as tl
 
-from ..kernels import interpret_on, on_device
+from ..kernels import interpret_on, on_device, pow2
 from ..kernels.runtime import compiled, gpu_jit
-from .fused import pow2
 
 #: elements of one program's largest register tile (its window of list entries, its chunk of
 #: rows of q_indices): a few thousand, as the fused plan's kernels keep
