@@ -190,10 +190,10 @@ def _check_gate(fn: str, gate, q: torch.Tensor, prefix_len: int, n_video_tokens:
         if not finite(float(gate)):
             refuse(repr(gate))
         return torch.tensor(float(gate), dtype=torch.float32, device=q.device)
-    if gate.dtype not in SUPPORTED_DTYPES:
-        refuse(f"a tensor of shape {tuple(gate.shape)}, dtype {gate.dtype}, device {gate.device}", TypeError)
-    if gate.device != q.device or tuple(gate.shape) not in (tuple(q.shape), video_shape):
-        refuse(f"a tensor of shape {tuple(gate.shape)}, dtype {gate.dtype}, device {gate.device}")
+    wrong_dtype = gate.dtype not in SUPPORTED_DTYPES
+    if wrong_dtype or gate.device != q.device or tuple(gate.shape) not in (tuple(q.shape), video_shape):
+        refuse(f"a tensor of shape {tuple(gate.shape)}, dtype {gate.dtype}, device {gate.device}",
+               TypeError if wrong_dtype else ValueError)
     if tuple(gate.shape) == tuple(q.shape) or prefix_len == 0:
         return gate
     return torch.cat([gate.new_zeros(B, prefix_len, H, D), gate], dim=1)
