@@ -5,6 +5,7 @@
     ONEDNN_MAX_CPU_ISA=AVX512_CORE python benchmarks/bench_flex_cpu.py   # the same CPU without AMX
     OMP_NUM_THREADS=16 python benchmarks/bench_flex_cpu.py --preset amx --out-dir DIR   # one bounded run
     python benchmarks/bench_flex_cpu.py --preset amx --quick --out-dir DIR   # the same, on tiny shapes
+    python benchmarks/bench_flex_cpu.py --no-sol --vsa 8,64,64 --contenders dense,sdpa,flex   # VSA rows only
 
 The contenders (dense ``F.scaled_dot_product_attention``, ``sol_attn`` with the automatic
 choice, the ``sdpa`` backend, as is, under other ``SdpaTuning`` and on inputs in ``(B, H, T, D)``
@@ -67,6 +68,10 @@ SDPA_VARIANTS = {"sdpa-q32": SdpaTuning(query_rows=32),
 PRESETS = {"amx": dict(T=8192, H=16, D=128, dtype="bfloat16", vsa=["8,64,64", "16,64,64"], repeats=3,
                        ref_heads=1, no_loaded=True, contenders="dense,sdpa,sdpa-q32,sdpa-par,flex", probe=True,
                        profile=True, time_limit=160.0)}
+#: sol_attn's problems at T (label, keyword arguments)
+SOL_PROBLEMS = (("top-k 10 %", dict(topk_ratio=0.1, tail=False)),
+                ("top-k 20 %", dict(topk_ratio=0.2, tail=False)),
+                ("tau 1, tail", dict(tau=1.0, tail=True)))
 QUICK = dict(T=512, H=2, D=64, vsa=["2,16,16", "4,16,16"], repeats=2)
 _START = time.perf_counter()
 
@@ -96,12 +101,10 @@ def problems(args):
     call, plan, (B, T, H, D), heads compared."""
     B, T, H, D, dt = 1, args.T, args.H, args.D, getattr(torch, args.dtype)
     h = min(H, args.ref_heads)
-    q, k, v = _inputs(B, T, H, D, dt)
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    qkv = _layouts(args, q, k, v)
-    for label, kw in (("top-k 10 %", dict(topk_ratio=0.1, tail=False)),
-                      ("top-k 20 %", dict(topk_ratio=0.2, tail=False)),
-                      ("tau 1, tail", dict(tau=1.0, tail=True))):
+    q, k, v = _inputs(B, T, H, D, dt) if not args.no_sol else (None,) * 3
+    qt, kt, vt = (None if x is None else x.transpose(1, 2) for x in (q, k, v))
+    qkv = _layouts(args, q, k, v) if not args.no_sol else None
+    for label, kw in SOL_PROBLEMS if not args.no_sol else ():
         def call(name, heads=False, kw=kw):
             return solattn.sol_attn(*qkv[heads], backend=name, **kw)
 
@@ -219,7 +222,7 @@ def measure(args, loaded: bool, deadline: float, on_row) -> list:
         spinner = mp.Process(target=_spin, args=(stop,), daemon=True)
         spinner.start()
     try:
-        count = 3 + len(args.vsa)
+        count = (0 if args.no_sol else len(SOL_PROBLEMS)) + len(args.vsa)
         for i, pb in enumerate(problems(args)):          # inputs are made one problem at a time
             if time.perf_counter() > deadline:
                 row = {"problem": pb["label"], "skipped": f"time limit ({args.time_limit:.0f} s) reached"}
@@ -345,6 +348,7 @@ def parse(argv=None):
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--no-sol", action="store_true", help="skip sol_attn's problems at --T (VSA rows only)")
     ap.add_argument("--vsa", default=["8,64,64", "16,64,64"], nargs="*",
                     help="VSA grids t,h,w (default 32k and 64k tokens); none to skip")
     ap.add_argument("--contenders", default="dense,auto,sdpa,flex",

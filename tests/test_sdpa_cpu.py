@@ -134,3 +134,23 @@ def test_sdpa_per_chunk_passes_take_the_callers_threads_from_chunk_threads(monke
     for name in ("put", "mask"):
         assert seen[name] and set(seen[name]) == ({4} if chunk_threads == 4 else {1}), name
     assert rel_l2(out, want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,rows,grad", [(200, 64, False), (130, 64, True), (256, 1000, False), (64, 10, False)])
+def test_coarse_add_is_the_definition_bit_for_bit(T, rows, grad, dtype):
+    """The coarse branch's add (shared by the sdpa and flex backends), chunked and broadcast per
+    block, equals SPEC.md's cast(fine) + cast(gate * coarse[block of t]) computed whole, to the
+    bit: ragged last block, chunks smaller than T, a gate in another memory layout or broadcast
+    from a constant, autograd's
+    out-of-place path."""
+    from solattn.backends.base import add_coarse
+    B, H, D = 2, 3, 8
+    g = torch.Generator().manual_seed(T)
+    out, gate = (torch.randn(B, T, H, D, generator=g).to(dtype) for _ in range(2))
+    coarse = torch.randn(B, H, -(-T // 64), D, generator=g)
+    constant = torch.tensor(0.7).to(dtype).expand(B, T, H, D)         # a constant gate, as broadcast
+    for gt in (gate, gate.transpose(1, 2).contiguous().transpose(1, 2), constant):
+        want = out + (gt.float() * coarse[:, :, torch.arange(T) // 64].transpose(1, 2)).to(out.dtype)
+        got = add_coarse(out.clone(), gt, coarse, rows, grad)
+        assert got.shape == want.shape and torch.equal(got, want)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from ..kernels import cuda_capability
-from ..validation import Problem
+from ..validation import BLOCK, Problem
 
 #: ``"autograd"``: the backend's forward records torch autograd, so a backward pass can
 #: differentiate a recomputation through it (see :attr:`Backend.differentiation`)
@@ -197,3 +198,33 @@ def _compute_capability_reasons(dev: torch.device, need: Tuple[int, int]) -> Lis
         return [f"needs a GPU of compute capability {need[0]}.{need[1]} or newer (sm_{need[0]}{need[1]}+); "
                 f"{dev} is {have[0]}.{have[1]}"]
     return []
+
+
+def add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, rows: int,
+               grad: bool = False, threads=None) -> torch.Tensor:
+    """SPEC.md's ``cast(fine) + cast(gate * coarse_of_block)``: ``out`` ``(B, T, H, D)`` (the
+    cast fine branch), ``gate`` of its shape, ``coarse`` ``(B, H, n, D)`` fp32, one row per
+    64-row block. Every row's block term is broadcast from ``coarse`` (never gathered into a
+    token-sized copy) over chunks of about ``rows`` rows (whole blocks), so the fp32 working
+    memory is one chunk. In place in inference; with autograd recording (``grad``) out of place,
+    the chunks concatenated (an in-place add into a slice would record CopySlices).
+    ``threads(chunk_bytes)``: a context to run each chunk in (the CPU thread policy), or None."""
+    B, T, H, D = out.shape
+    step = max(BLOCK, rows // BLOCK * BLOCK)
+    cb = coarse.permute(0, 2, 1, 3).unsqueeze(2)             # (B, n, 1, H, D), a view
+    parts = []
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        b0, nb = t0 // BLOCK, -(-(t1 - t0) // BLOCK)
+        pad = nb * BLOCK - (t1 - t0)                           # rows of a ragged last block
+        g = gate[:, t0:t1]
+        if pad:
+            g = torch.nn.functional.pad(g, (0, 0, 0, 0, 0, pad))
+        with (threads(B * (t1 - t0) * H * D * 4) if threads is not None else contextlib.nullcontext()):
+            add = (g.reshape(B, nb, BLOCK, H, D).to(torch.float32) * cb[:, b0:b0 + nb])
+            add = add.to(out.dtype).reshape(B, nb * BLOCK, H, D)[:, :t1 - t0]
+            if grad:
+                parts.append(out[:, t0:t1] + add)
+            else:
+                out[:, t0:t1] += add
+    return torch.cat(parts, dim=1) if grad else out

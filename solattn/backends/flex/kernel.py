@@ -45,12 +45,15 @@ import torch.nn.functional as F
 from ...routing import Plan
 from ...routing.stats import serial_cpu
 from ...validation import BLOCK, Problem
+from ..base import add_coarse
 
 #: compiled functions kept (least recently used dropped first)
 CACHE_SIZE = 32
 #: recompile limit of the compiled calls' shared entry frame while they run: far above any
 #: number of shapes one process sees (evicted keys compile again and count again)
 RECOMPILE_LIMIT = 100_000
+#: fp32 working memory of the coarse branch's add, bytes (it runs in chunks of whole blocks)
+COARSE_BYTES = 256 << 20
 #: flex_attention tile sizes on CUDA (forward BLOCK_M x BLOCK_N, backward M1 x N1 for dK/dV and
 #: M2 x N2 for dQ), each dividing the mask's 64 x 64 blocks
 CUDA_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64,
@@ -220,7 +223,5 @@ def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
     with _shape_limit():
         out = fn(q, k, v, mask, bias, tlog)
     if plan.coarse is not None and p.coarse_gate is not None:     # SPEC.md: cast(fine) + gate * coarse
-        blocks = torch.arange(p.T, device=p.device) // BLOCK
-        add = p.coarse_gate.detach().float() * plan.coarse[:, :, blocks].transpose(1, 2)   # (B, T, H, D) fp32
-        out = out.add_(add.to(out.dtype))
+        out = add_coarse(out, p.coarse_gate.detach(), plan.coarse, COARSE_BYTES // (p.B * p.H * p.D * 12))
     return out

@@ -14,6 +14,7 @@ from ...config import current_tuning
 from ...routing import Plan, live_token_mask
 from ...routing.stats import parallel_cpu, serial_cpu
 from ...validation import BLOCK, Problem
+from ..base import add_coarse
 from . import masks
 from .grouping import Group, group_rows, needs_mask, split_rows
 from .layout import BlockTable, QueryBlocks, RowTable, Workspace, zero_dead
@@ -347,20 +348,8 @@ def _slot_rows(call: _Call, b: torch.Tensor, blocks: torch.Tensor, table: torch.
 
 def _add_coarse(out: torch.Tensor, gate: torch.Tensor, coarse: torch.Tensor, nbytes: int,
                 grad: bool, parallel_bytes: int) -> torch.Tensor:
-    """``out + (gate * coarse_of_block).to(dtype)``, token chunk by token chunk (bounded memory): in
-    place in inference; with autograd recording (``grad``), out of place (the chunks concatenated),
-    since an in-place add into a slice records CopySlices (see ``sdpa_forward``)."""
+    """``out + (gate * coarse_of_block).to(dtype)`` (:func:`add_coarse`), in chunks of tokens whose
+    fp32 terms fit ``nbytes``; each chunk on the caller's threads from ``parallel_bytes`` up."""
     B, T, H, D = out.shape
-    step = max(BLOCK, (nbytes // max(1, B * H * D * 12)) // BLOCK * BLOCK)
-    parts = []
-    for t0 in range(0, T, step):
-        t1 = min(T, t0 + step)
-        blocks = torch.arange(t0, t1, device=out.device) // BLOCK
-        with parallel_cpu(B * (t1 - t0) * H * D * 4 >= parallel_bytes):
-            cb = coarse[:, :, blocks].permute(0, 2, 1, 3)             # (B, t1-t0, H, D) fp32
-            add = (gate[:, t0:t1].to(torch.float32) * cb).to(out.dtype)
-            if grad:
-                parts.append(out[:, t0:t1] + add)
-            else:
-                out[:, t0:t1] += add
-    return torch.cat(parts, dim=1) if grad else out
+    return add_coarse(out, gate, coarse, nbytes // max(1, B * H * D * 12), grad,
+                      lambda size: parallel_cpu(size >= parallel_bytes))
