@@ -92,6 +92,23 @@ def test_tau_mode_tail_with_empty_and_full_tails(fresh):
         assert rel_l2(got, want) < tolerance(torch.float32), tau
 
 
+def test_tail_logit_in_appended_dims_keeps_bf16_precision_under_a_key_offset(fresh):
+    """On the CPU the tail slot's logit ``tail_lse + scale q . m`` comes from the product of q and
+    k widened by :data:`kernel.TAIL_DIMS` dims, with ``m`` rounded to bf16 and its rounding's share
+    ``q . (m - m_bf16)`` carried beside it: under a large common key offset (where ``m`` rounds
+    far from itself) the output is as close to the reference as the ``sdpa`` backend's, which
+    computes that logit in fp32; empty tails (tau far below every score) give no NaN."""
+    q, k, v = _inputs(torch.bfloat16, seed=6, B=1)
+    k = (k.float() + 37.0).to(torch.bfloat16)
+    for kw in (dict(tau=1.0), dict(topk_ratio=0.4), dict(tau=-1e9)):
+        want = solattn.sol_attn(q.float(), k.float(), v.float(), backend="reference", **kw)
+        got = solattn.sol_attn(q, k, v, backend="flex", **kw)
+        ours = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
+        assert kernel.call_key(validate(q, k, v, **kw), solattn.plan(q, k, v, backend="sdpa", **kw)).tail_dims
+        assert not torch.isnan(got).any()
+        assert rel_l2(got.float(), want) <= 1.25 * rel_l2(ours.float(), want) + 1e-4, kw
+
+
 def test_plan_block_mask_with_tail_slots_splits_partial_and_full_blocks():
     """The BlockMask the backend passes to its compiled call (the plan's own, with tail slots)
     holds exactly the plan's blocks plus the tail slot's block, ascending, partial (dead rows,

@@ -52,6 +52,9 @@ CACHE_SIZE = 32
 #: recompile limit of the compiled calls' shared entry frame while they run: far above any
 #: number of shapes one process sees (evicted keys compile again and count again)
 RECOMPILE_LIMIT = 100_000
+#: on the CPU, query and key dims appended to carry the tail slot's logit (4 used, the rest zero
+#: so rows stay 32-byte aligned), instead of a ``score_mod`` evaluated on every score
+TAIL_DIMS = 16
 #: fp32 working memory of the coarse branch's add, bytes (it runs in chunks of whole blocks)
 COARSE_BYTES = 256 << 20
 #: flex_attention tile sizes on CUDA (forward BLOCK_M x BLOCK_N, backward M1 x N1 for dK/dV and
@@ -82,6 +85,12 @@ class Key:
     def tail_blocks(self) -> int:
         """Key blocks holding the tail slots (one slot per query block)."""
         return -(-self.n // BLOCK) if self.tail else 0
+
+    @property
+    def tail_dims(self) -> int:
+        """Dims appended to q and k for the tail slot's logit (:data:`TAIL_DIMS` on the CPU, with the
+        tail), else 0 (on other devices the ``score_mod`` gives it)."""
+        return TAIL_DIMS if self.tail and self.device.startswith("cpu") else 0
 
     @property
     def key_len(self) -> int:
@@ -176,7 +185,8 @@ def clear_cache() -> None:
 def _keys_values(key: Key, p: Problem, plan: Plan, live_rows: Optional[torch.Tensor]):
     """``(q, k, v)`` as ``(B, H, T, D)`` (views where nothing needs writing). Dead rows of a caller's
     ``block_len`` are zeroed in copies, so nothing in them, not even a NaN, reaches the
-    arithmetic; with the tail, k and v are extended by the tail slots."""
+    arithmetic; with the tail, k and v are extended by the tail slots, and q and k widened by
+    :attr:`Key.tail_dims` zero dims (:func:`_tail_in_dims` fills the used ones)."""
     q, k, v = (x.transpose(1, 2) for x in (p.q, p.k, p.v))
     dead = None
     if p.block_len is not None and not p.dead_rows_zero:
@@ -187,15 +197,52 @@ def _keys_values(key: Key, p: Problem, plan: Plan, live_rows: Optional[torch.Ten
             k, v = k.masked_fill(dead, 0), v.masked_fill(dead, 0)
         return q, k, v
     B, H, T, D = q.shape
+    E = key.tail_dims
     Tpad = key.n * BLOCK
-    k_ext, v_ext = (x.new_empty(B, H, key.key_len, D) for x in (k, v))     # one copy each
+    if E:
+        q_w = q.new_zeros(B, H, T, D + E)
+        q_w[..., :D] = q
+        q = q_w
+    k_ext, v_ext = k.new_empty(B, H, key.key_len, D + E), v.new_empty(B, H, key.key_len, D)   # one copy each
     for ext, x in ((k_ext, k), (v_ext, v)):
-        ext[:, :, :T] = x
+        ext[:, :, :T, :D] = x
         ext[:, :, T:] = 0
         if dead is not None:
             ext[:, :, :T].masked_fill_(dead, 0)
+    if E:
+        k_ext[:, :, :T, D:] = 0
     v_ext[:, :, Tpad:Tpad + key.n] = plan.tail_value
     return q, k_ext, v_ext
+
+
+def _split(x: torch.Tensor, dtype: torch.dtype):
+    """fp32 ``x`` as ``hi + lo`` in ``dtype`` (``hi`` rounded, ``lo`` the rounded rest; 0 where ``x``
+    is infinite), so that an fp32 sum of the two recovers ``x`` to about ``2^-16`` relative in bf16."""
+    hi = x.to(dtype)
+    lo = torch.where(torch.isfinite(x), x - hi.float(), torch.zeros((), device=x.device)).to(dtype)
+    return hi, lo
+
+
+def _tail_in_dims(key: Key, p: Problem, plan: Plan, q_w: torch.Tensor, k_ext: torch.Tensor) -> None:
+    """The tail slot's logit ``tail_lse_i + scale q_t . m`` as the product of the widened q and k
+    (no ``score_mod``): query row t carries ``(1, 1, c_hi, c_lo)`` in the appended dims and query
+    block i's slot key carries ``m`` rounded to the input dtype (``m_r``) and ``(a_hi, a_lo, 1, 1)``,
+    where ``a = tail_lse_i / scale`` and ``c = q_t . (m - m_r)`` (fp32, split in two), so that
+    ``scale (q_t . m_r + a + c) = scale q_t . m + tail_lse_i`` with every product exact and the sum
+    in fp32; exact keys carry zeros there. An empty tail (``tail_lse = -inf``) gives ``-inf``."""
+    D, dt, n = p.D, q_w.dtype, key.n
+    Tpad = n * BLOCK
+    m = plan.key_mean[:, :, 0]                                         # (B, H, D) fp32
+    m_r = m.to(dt)
+    c = torch.einsum("bhtd,bhd->bht", q_w[..., :D].float(), m - m_r.float())   # dead rows of q are 0
+    q_w[..., D] = 1
+    q_w[..., D + 1] = 1
+    q_w[..., D + 2], q_w[..., D + 3] = _split(c, dt)
+    slots = k_ext[:, :, Tpad:Tpad + n]
+    slots[..., :D] = m_r[:, :, None]
+    slots[..., D], slots[..., D + 1] = _split(plan.tail_lse / p.scale, dt)
+    slots[..., D + 2] = 1
+    slots[..., D + 3] = 1
 
 
 def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
@@ -212,7 +259,9 @@ def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
     if p.key_bias is not None:
         bias = F.pad(p.key_bias.to(torch.float32), (0, key.key_len - p.T))
     tlog = None
-    if key.tail:     # the tail slot's logit per query row: its block's tail_lse + scale q_t . m, fp32
+    if key.tail_dims:
+        _tail_in_dims(key, p, plan, q, k)
+    elif key.tail:     # the tail slot's logit per query row: its block's tail_lse + scale q_t . m, fp32
         blocks = torch.arange(p.T, device=p.device) // BLOCK
         tlog = torch.einsum("bhtd,bhd->bht", q.float(), plan.key_mean[:, :, 0])     # dead rows of q are 0
         tlog = torch.addcmul(plan.tail_lse[:, :, blocks], tlog, torch.tensor(p.scale, device=p.device))
