@@ -238,8 +238,10 @@ def test_automatic_choice_follows_amx_and_switches(fresh, monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
     assert dispatch.priority("cpu")[0] == "sdpa"        # AMX, but a torch older than flex.CPU_TORCH
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert dispatch.priority("cpu")[:2] == ["flex", "sdpa"]
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
     assert dispatch.priority("cpu")[:2] == ["flex", "sdpa"]
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")

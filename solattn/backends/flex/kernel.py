@@ -11,8 +11,9 @@ One compiled function per call shape (:class:`Key`) computes SPEC.md's output fr
   through a log-sum-exp merge (torch.compile's CPU flex_attention returns no log-sum-exp in
   torch 2.13): the keys are extended by ``ceil(n / 64)`` blocks of zero keys (the mask's
   ``tail_slots``), the value of slot ``i`` is query block ``i``'s tail value, the mask shows slot
-  ``i`` only to query block ``i``, and the ``score_mod`` gives it the logit
-  ``tail_lse_i + scale q_t . m`` in fp32.
+  ``i`` only to query block ``i``, and it gets the logit ``tail_lse_i + scale q_t . m``: on the
+  CPU as the product of q and k widened by :data:`TAIL_DIMS` dims (:func:`_tail_in_dims`), so
+  the exact blocks run no ``score_mod``; elsewhere from the ``score_mod``, in fp32.
   The exact keys are used uncentred: every exact logit of row t is then ``scale q_t . m``
   larger than SPEC.md's centred one, and the tail's logit carries the same shift, so the
   softmax is SPEC.md's. Each query block attends one extra key block (its tail slot's).
