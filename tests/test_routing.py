@@ -305,3 +305,20 @@ def test_vsa_tiled_problems_sum_their_zero_dead_rows_unmasked(vsa_plan_marks, gr
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     solattn.video_sparse_attn(q, k, v, grid, sparsity=0.5, prefix_len=list(segments))
     assert vsa_plan_marks == [True]
+
+
+@pytest.mark.parametrize("method", routing.TOPK_METHODS)
+def test_kth_largest_is_the_kth_of_the_sorted_row(method):
+    """kth_largest gives each row's kk-th largest value as a descending sort reads it (ties and
+    -inf entries included), also above the size from which it runs on the caller's threads inside
+    the plan's one-thread section, which it leaves at one thread."""
+    from solattn.routing.stats import serial_cpu
+    g = torch.Generator().manual_seed(3)
+    for shape, kk in (((3, 5, 40), 7), ((3, 5, 40), 39), ((4, 300, 300), 30)):
+        x = torch.randn(shape, generator=g).mul(4).round()               # many ties
+        x[..., :3] = -float("inf")
+        want = torch.sort(x, dim=-1, descending=True).values[..., kk - 1]
+        with serial_cpu():
+            got = routing.kth_largest(x, kk, method)
+            threads = torch.get_num_threads()
+        assert torch.equal(got, want) and threads == 1, (shape, kk)

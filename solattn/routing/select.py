@@ -15,7 +15,7 @@ import torch
 
 from ..validation import Problem
 from .plan import _SERIAL_SCORES, Selector
-from .stats import BlockStats, serial_cpu
+from .stats import BlockStats, parallel_cpu, serial_cpu
 
 TOPK_METHODS = ("topk", "sort")
 
@@ -38,13 +38,22 @@ def default_topk_method(device: torch.device, n: int) -> str:
     return "topk"
 
 
+#: scores from which the CPU's search for the k-th largest runs on the caller's threads inside a
+#: one-thread section of the plan (:func:`.stats.parallel_cpu`): about 1.5 ms and more on one
+#: thread (B=1 T=8192 H=16, 262144 scores: 3.1 ms on one thread, 1.6 ms on two of a 2-core CPU)
+_PARALLEL_KTH = 1 << 17
+
+
 def kth_largest(scores: torch.Tensor, kk: int, method: str) -> torch.Tensor:
-    """The ``kk``-th largest value along the last dim (``kk >= 1``), by ``torch.topk`` or by a sort."""
-    if method == "topk":
-        return scores.topk(kk, dim=-1).values[..., kk - 1]
-    if method == "sort":
+    """The ``kk``-th largest value along the last dim (``kk >= 1``), by ``torch.topk`` (the least
+    of the ``kk`` largest, unsorted: 5-20 % faster on the CPU than reading the sorted ones) or by a
+    sort."""
+    if method not in TOPK_METHODS:
+        raise ValueError(f"kth_largest: argument 'method' received {method!r}; allowed: one of {TOPK_METHODS}")
+    with parallel_cpu(scores.numel() >= _PARALLEL_KTH):
+        if method == "topk":
+            return scores.topk(kk, dim=-1, sorted=False).values.amin(dim=-1)
         return scores.sort(dim=-1, descending=True).values[..., kk - 1]
-    raise ValueError(f"kth_largest: argument 'method' received {method!r}; allowed: one of {TOPK_METHODS}")
 
 
 def topk_count(topk_ratio: float, n_eff: int) -> int:
