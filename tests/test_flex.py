@@ -109,6 +109,21 @@ def test_tail_logit_in_appended_dims_keeps_bf16_precision_under_a_key_offset(fre
         assert rel_l2(got.float(), want) <= 1.25 * rel_l2(ours.float(), want) + 1e-4, kw
 
 
+def test_tail_logit_in_appended_dims_survives_fp16_range(fresh):
+    """fp16 inputs whose logits reach tens of thousands: ``tail_lse / scale`` passes fp16's
+    largest value (65504), so the appended dims carry it divided by a power of two (and the
+    query that power): the output stays as close to the reference as the ``sdpa`` backend's."""
+    q, k, v = _inputs(torch.float32, seed=3, B=1)
+    q, k, v = (q * 150).half(), (k * 150).half(), v.half()
+    for kw in (dict(tau=1.0), dict(topk_ratio=0.4)):
+        plan = solattn.plan(q, k, v, backend="sdpa", **kw)
+        assert float(plan.tail_lse.abs().max()) / validate(q, k, v, **kw).scale > 65504
+        want = solattn.sol_attn(q.float(), k.float(), v.float(), backend="reference", **kw)
+        got = solattn.sol_attn(q, k, v, backend="flex", **kw)
+        ours = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
+        assert rel_l2(got.float(), want) <= 1.25 * rel_l2(ours.float(), want) + 1e-4, kw
+
+
 def test_plan_block_mask_with_tail_slots_splits_partial_and_full_blocks():
     """The BlockMask the backend passes to its compiled call (the plan's own, with tail slots)
     holds exactly the plan's blocks plus the tail slot's block, ascending, partial (dead rows,

@@ -36,6 +36,7 @@ On CUDA the kernel's tile sizes are set to divide the 64 x 64 blocks of the mask
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -224,26 +225,41 @@ def _split(x: torch.Tensor, dtype: torch.dtype):
     return hi, lo
 
 
+def _unit(a: torch.Tensor, dtype: torch.dtype) -> float:
+    """A power of two ``u`` such that ``a / u`` stays well inside ``dtype``'s range (1 unless it
+    would not: fp16 holds at most 65504, and ``tail_lse / scale`` passes that for logits of a few
+    thousand). The query side then carries ``u`` instead of 1; a power of two keeps the product
+    exact. Reads ``a``'s largest finite magnitude (a host sync: this path runs on the CPU)."""
+    finite = a[torch.isfinite(a)]
+    big = float(finite.abs().max()) if finite.numel() else 0.0
+    limit = torch.finfo(dtype).max / 4
+    return 1.0 if big <= limit else 2.0 ** math.ceil(math.log2(big / limit))
+
+
 def _tail_in_dims(key: Key, p: Problem, plan: Plan, q_w: torch.Tensor, k_ext: torch.Tensor) -> None:
     """The tail slot's logit ``tail_lse_i + scale q_t . m`` as the product of the widened q and k
     (no ``score_mod``): query row t carries ``(1, 1, c_hi, c_lo)`` in the appended dims and query
     block i's slot key carries ``m`` rounded to the input dtype (``m_r``) and ``(a_hi, a_lo, 1, 1)``,
     where ``a = tail_lse_i / scale`` and ``c = q_t . (m - m_r)`` (fp32, split in two), so that
     ``scale (q_t . m_r + a + c) = scale q_t . m + tail_lse_i`` with every product exact and the sum
-    in fp32; exact keys carry zeros there. An empty tail (``tail_lse = -inf``) gives ``-inf``."""
+    in fp32 (where ``a`` or ``c`` would overflow the dtype, the side that carries 1 carries a power
+    of two ``u`` instead and the other side the value divided by it, :func:`_unit`); exact keys
+    carry zeros there. An empty tail (``tail_lse = -inf``) gives ``-inf``."""
     D, dt, n = p.D, q_w.dtype, key.n
     Tpad = n * BLOCK
     m = plan.key_mean[:, :, 0]                                         # (B, H, D) fp32
     m_r = m.to(dt)
     c = torch.einsum("bhtd,bhd->bht", q_w[..., :D].float(), m - m_r.float())   # dead rows of q are 0
-    q_w[..., D] = 1
-    q_w[..., D + 1] = 1
-    q_w[..., D + 2], q_w[..., D + 3] = _split(c, dt)
+    a = plan.tail_lse / p.scale                                      # (B, H, n) fp32
+    u, uc = _unit(a, dt), _unit(c, dt)
+    q_w[..., D] = u
+    q_w[..., D + 1] = u
+    q_w[..., D + 2], q_w[..., D + 3] = _split(c / uc, dt)
     slots = k_ext[:, :, Tpad:Tpad + n]
     slots[..., :D] = m_r[:, :, None]
-    slots[..., D], slots[..., D + 1] = _split(plan.tail_lse / p.scale, dt)
-    slots[..., D + 2] = 1
-    slots[..., D + 3] = 1
+    slots[..., D], slots[..., D + 1] = _split(a / u, dt)
+    slots[..., D + 2] = uc
+    slots[..., D + 3] = uc
 
 
 def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
