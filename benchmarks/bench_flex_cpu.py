@@ -328,7 +328,9 @@ def environment() -> list:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return [f"- CPU: {cpu}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}, "
+    from solattn.bench.report import source_revision
+    return [f"- solattn: {source_revision()}",
+            f"- CPU: {cpu}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}, "
             f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}",
             f"- torch {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, "
             f"AMX usable: {flex.amx_usable()}, ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(unset)')}, "

@@ -56,6 +56,19 @@ def test_bench_reports_a_flex_compile_failure_in_its_row_and_goes_on(tmp_path, m
         errors = cells[7].split(" / ")
         assert errors[2] == "-" and all(float(e) < 1e-2 for e in errors[:2]), row
     assert "## probe" in text and "| dense (1, 2, 256, 64) |" in text
+    assert "- solattn: git " in text or "(not a git checkout)" in text        # the commit measured
+
+
+def test_bench_vsa_rows_alone(tmp_path):
+    """--no-sol: the VSA rows only, each against dense and the reference."""
+    bench = _bench()
+    assert bench.main(["--quick", "--no-sol", "--vsa", "2,8,16", "--contenders", "dense,sdpa", "--no-loaded",
+                       "--repeats", "1", "--out-dir", str(tmp_path)]) == 0
+    text = (tmp_path / "flex.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "T=" in line]
+    assert rows and all(line.startswith("| VSA 2x8x16") for line in rows)
+    errors = [float(c) for c in rows[0].strip("|").split("|")[-2].split(" / ") if c.strip() != "-"]
+    assert errors and all(e < 1e-2 for e in errors)
 
 
 def test_bench_preset_and_explicit_options(tmp_path):
