@@ -96,15 +96,13 @@ def _layouts(args, *xs):
             if "sdpa-heads" in args.contenders else None]
 
 
-def problems(args):
-    """Dicts: label, call(backend name or None, heads=False) -> output, dense call, reference
-    call, plan, (B, T, H, D), heads compared."""
-    B, T, H, D, dt = 1, args.T, args.H, args.D, getattr(torch, args.dtype)
-    h = min(H, args.ref_heads)
-    q, k, v = _inputs(B, T, H, D, dt) if not args.no_sol else (None,) * 3
-    qt, kt, vt = (None if x is None else x.transpose(1, 2) for x in (q, k, v))
-    qkv = _layouts(args, q, k, v) if not args.no_sol else None
-    for label, kw in SOL_PROBLEMS if not args.no_sol else ():
+def _sol_problems(args, B, H, D, dt, h):
+    """:func:`problems`' sol_attn problems at ``args.T`` (:data:`SOL_PROBLEMS`), on one set of inputs."""
+    T = args.T
+    q, k, v = _inputs(B, T, H, D, dt)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    qkv = _layouts(args, q, k, v)
+    for label, kw in SOL_PROBLEMS:
         def call(name, heads=False, kw=kw):
             return solattn.sol_attn(*qkv[heads], backend=name, **kw)
 
@@ -113,6 +111,15 @@ def problems(args):
         yield dict(label=f"B=1 T={T} H={H} D={D} {args.dtype}, {label}", call=call,
                    dense=lambda: F.scaled_dot_product_attention(qt, kt, vt), ref=ref, shape=(B, T, H, D), h=h,
                    plan=lambda kw=kw: solattn.plan(q, k, v, backend="sdpa", **kw))
+
+
+def problems(args):
+    """Dicts: label, call(backend name or None, heads=False) -> output, dense call, reference
+    call, plan, (B, T, H, D), heads compared."""
+    B, H, D, dt = 1, args.H, args.D, getattr(torch, args.dtype)
+    h = min(H, args.ref_heads)
+    if not args.no_sol:
+        yield from _sol_problems(args, B, H, D, dt, h)
     for grid in args.vsa:
         Tv = grid[0] * grid[1] * grid[2]
         qv, kv, vv = _inputs(B, Tv, H, D, dt, seed=1)
