@@ -22,6 +22,7 @@ from .graphs import cuda_graphs
 from .ops import plan, sol_attn
 from .validation import BLOCK
 from .video import tile, untile, video_plan, video_sparse_attn
+from .warmup import warm_up
 
 _dispatch.register(_ReferenceBackend())
 try:  # the triton backend imports Triton lazily; it reports a missing Triton as a reason
@@ -37,4 +38,4 @@ __version__ = "0.1.0"
 
 __all__ = ["sol_attn", "video_sparse_attn", "plan", "video_plan", "tile", "untile", "list_backends", "use_backend",
            "best_device", "BackendError", "memory_budget", "set_memory_budget", "register_backend",
-           "Backend", "BLOCK", "cuda_graphs", "__version__"]
+           "Backend", "BLOCK", "cuda_graphs", "warm_up", "__version__"]

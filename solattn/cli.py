@@ -38,7 +38,9 @@ def info(args) -> int:
         for b in dispatch.list_backends(dev):
             state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
             print(f"  {b['name']:<10} {state}")
-            print(f"  {'':<10} {b['description']}")
+            print(f"  {'':<10} " + _wrapped(b['description'], 13))
+            for note in b["automatic"]:
+                print(f"  {'':<10} " + _wrapped(f"automatic choice: {note}", 13))
     print("\n" + _wrapped(_comfy_kitchen_plugin(), 2))
     return 0
 
@@ -99,6 +101,9 @@ def check(args) -> int:
         for name_ in runnable:
             backend = dispatch.get_backend(name_)
             reasons = backend.not_supported_reasons(p)
+            if not reasons and not (args.backends and name_ in args.backends):
+                # what the automatic choice would not run (a compile of minutes): only when named
+                reasons = [f"{why} (check it with --backends {name_})" for why in backend.automatic_reasons(p)]
             if reasons:
                 rows.append((name_, name, "skip", "; ".join(reasons)))
                 continue

@@ -197,6 +197,10 @@ def _reasons(backend: Backend, problem: Problem, plan_only: bool) -> List[str]:
     return reasons
 
 
+def _automatic_reasons(backend: Backend, problem: Problem, plan_only: bool) -> List[str]:
+    return _reasons(backend, problem, plan_only) + backend.automatic_reasons(problem)
+
+
 def choose(problem: Problem, requested: Optional[str] = None, plan_only: bool = False) -> Backend:
     """Pick the backend for ``problem``; raise :class:`BackendError` with every reason if none fits.
 
@@ -232,9 +236,9 @@ def choose(problem: Problem, requested: Optional[str] = None, plan_only: bool = 
             warnings.warn(f"SOLATTN_BACKEND={env} cannot run this call ({'; '.join(reasons)}); "
                           f"falling back to the priority list {order}", RuntimeWarning, stacklevel=3)
     for name in order:
-        if not _reasons(_REGISTRY[name], problem, plan_only):
+        if not _automatic_reasons(_REGISTRY[name], problem, plan_only):
             return _REGISTRY[name]
-    table = "\n".join(f"  {n}: " + ("; ".join(_reasons(_REGISTRY[n], problem, plan_only)) or "can run")
+    table = "\n".join(f"  {n}: " + ("; ".join(_automatic_reasons(_REGISTRY[n], problem, plan_only)) or "can run")
                       for n in _walk(problem.device.type))
     raise BackendError(f"no solattn backend can run this call ({problem.describe()}):\n" + table)
 
@@ -242,8 +246,9 @@ def choose(problem: Problem, requested: Optional[str] = None, plan_only: bool = 
 def list_backends(device=None) -> List[dict]:
     """For each registered backend: can it run on ``device`` (default: the best present) and why not.
 
-    Returns a list of ``{"name", "available", "reasons", "priority", "description"}`` dicts,
-    in the device's priority order first, then the rest.
+    Returns a list of ``{"name", "available", "reasons", "priority", "description",
+    "automatic"}`` dicts, in the device's priority order first, then the rest; ``automatic``
+    lists what keeps the automatic choice from taking an available backend for some calls.
     """
     dev = as_device("list_backends", device) if device is not None else best_device()
     order = priority(dev.type)
@@ -253,7 +258,7 @@ def list_backends(device=None) -> List[dict]:
         reasons = b.availability_reasons(dev)
         out.append({"name": name, "available": not reasons, "reasons": reasons,
                     "priority": order.index(name) if name in order else None,
-                    "description": b.description})
+                    "description": b.description, "automatic": b.automatic_notes(dev) if not reasons else []})
     return out
 
 

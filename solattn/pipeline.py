@@ -23,7 +23,7 @@ differentiable backend. A traced backward (compiled training) is the one opaque 
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import logging
 from typing import FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -272,15 +272,31 @@ def run(route: Route, q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor], k
                 return route.output(chosen.forward(problem, plan), problem), None
             out, fused = run_for_backward(chosen, problem, plan, *buffers)
             return route.output(out, problem), fused
-        except Declined as declined:         # the backend could not run it after all: the next one does
-            with dispatch.without_forced_backend():        # the route's choice: VSA's and a given
-                chosen = route.choose(problem, None)       # plan's need a backend that runs plans
-            warnings.warn(f"solattn: {declined}; the call ran on '{chosen.name}' instead", RuntimeWarning,
-                          stacklevel=2)
+        except Declined as declined:         # the backend could not run it after all
+            if requested or dispatch.forced_backend():     # asked for by name: run or raise
+                raise dispatch.BackendError(f"backend '{chosen.name}' was asked for by name and could not run "
+                                            f"this call: {declined}") from declined.__cause__
+            declined_by = chosen.name
+            with dispatch.without_forced_backend():        # the next one does (the route's choice: VSA's
+                chosen = route.choose(problem, None)       # and a given plan's need a backend that runs plans)
+            _log_fallback(declined_by, str(declined), chosen.name)
             if not chosen.uses_plan:
                 plan = None
             elif plan is None:
                 plan = route.plan(problem)
+
+
+_fallbacks_logged: set = set()
+
+
+def _log_fallback(declined_by: str, why: str, ran_on: str) -> None:
+    """One log line (logger ``solattn``, WARNING) per backend and reason: an automatic choice
+    that could not run a call, and where it ran instead."""
+    if (declined_by, why) not in _fallbacks_logged:
+        _fallbacks_logged.add((declined_by, why))
+        logging.getLogger("solattn").warning("solattn: %s; the call ran on '%s' instead (the automatic choice "
+                                             "passes '%s' over for this shape from now on)", why, ran_on,
+                                             declined_by)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[float],

@@ -10,10 +10,13 @@ representative of each family in the default run, so every path is still exercis
 parameter, or a skip condition that asks for one), so ``-m gpu`` runs a GPU machine's own cases.
 
 The automatic CPU choice depends on the machine (the ``flex`` backend comes first on CPUs with
-AMX): every test runs with ``SOLATTN_FLEX_CPU=0`` (:func:`cpu_priority_without_flex`), so the
-CPU priority is ``sdpa > reference`` on any CPU, in this process and in the interpreters its
-tests start. A test about the flex rule opts in by setting or deleting the variable itself
-(tests/test_flex.py).
+AMX, for shapes compiled in the process): the test process sets ``SOLATTN_FLEX_CPU=0`` when
+this file is imported, before any fixture (a module-scoped one starting worker processes
+included) and every test again (:func:`cpu_priority_without_flex`), so the CPU priority is
+``sdpa > reference`` on any CPU, in this process and in the processes its tests start. The
+tests about the automatic CPU choice force it both ways themselves (AMX present or not,
+tests/test_flex.py::test_automatic_cpu_choice_both_ways), so an AMX CPU and one without run the
+same cases.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="solattn-tests-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
     atexit.register(shutil.rmtree, _INDUCTOR_CACHE, ignore_errors=True)
+
+os.environ["SOLATTN_FLEX_CPU"] = "0"
 
 _GPU_TYPES = ("cuda", "xpu", "mps")
 _GPU_REASON = re.compile(r"\b(CUDA|GPU|XPU|MPS)\b")

@@ -325,7 +325,7 @@ def test_public_surface_is_the_user_facing_names():
     assert set(solattn.__all__) == {
         "sol_attn", "video_sparse_attn", "plan", "video_plan", "tile", "untile", "list_backends", "use_backend",
         "best_device", "BackendError", "memory_budget", "set_memory_budget", "register_backend",
-        "Backend", "BLOCK", "cuda_graphs", "__version__"}
+        "Backend", "BLOCK", "cuda_graphs", "warm_up", "__version__"}
     for name in solattn.__all__:
         assert hasattr(solattn, name), name
     public = {n for n in vars(solattn) if not n.startswith("_")}

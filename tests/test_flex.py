@@ -10,6 +10,11 @@ shape on the CPU, so the tests reuse few shapes.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -167,41 +172,50 @@ def test_repeated_calls_with_new_tensors_do_not_recompile(fresh):
     assert len(kernel.cached_keys()) == compiles
 
 
-def test_forced_compile_failure_falls_back_and_is_reported(fresh, monkeypatch):
-    """A compilation that fails inside a call: the call returns the next backend's result with a
-    warning, the backend's reasons for that shape say why, and the automatic choice skips flex
-    for that shape from then on, while other shapes still take it."""
+def test_forced_compile_failure_by_name_raises_automatic_falls_back_and_is_reported(fresh, monkeypatch, caplog):
+    """A compilation that fails inside a call: asked for by name, the call raises with the
+    compiler's error (and the next call by name tries again); chosen automatically, the call
+    returns the next backend's result with one log line, list_backends() says why, and the
+    automatic choice passes flex over for that shape from then on, while other shapes still
+    take it. Once compiling works again, a call by name compiles and clears the record."""
+    import logging
     monkeypatch.setenv(flex.CPU_SWITCH, "1")
     kernel.clear_cache()
-
-    def broken(key):
-        def run(*args):
-            raise RuntimeError("C++ compile error: simulated missing compiler")
-        return run
-
-    monkeypatch.setattr(kernel, "compile_fn", broken)
+    monkeypatch.setattr(kernel, "compile_fn", lambda key: _raise_compile_error)
     q, k, v = _inputs(torch.float32, seed=1, B=1, T=3 * BLOCK, H=1, D=16)
     p = validate(q, k, v, topk_ratio=0.5)
-    assert dispatch.choose(p).name == "flex"
-    with pytest.warns(RuntimeWarning, match="could not compile"):
-        got = solattn.sol_attn(q, k, v, topk_ratio=0.5)
     want = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="sdpa")
-    assert torch.equal(got, want)
-    assert "simulated missing compiler" in flex.FlexBackend().not_supported_reasons(p)[0]
+    with pytest.raises(solattn.BackendError, match="simulated missing compiler") as raised:
+        solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="flex")
+    assert "simulated missing compiler" in str(raised.value.__cause__)
+    with pytest.raises(solattn.BackendError, match="simulated missing compiler"):   # tried again
+        with solattn.use_backend("flex"):
+            solattn.sol_attn(q, k, v, topk_ratio=0.5)
+    flex._failures.clear()
+    assert dispatch.choose(p).name == "flex"
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="solattn"):
+        warnings.simplefilter("error")
+        got = solattn.sol_attn(q, k, v, topk_ratio=0.5)
+        again = solattn.sol_attn(q, k, v, topk_ratio=0.5)
+    assert torch.equal(got, want) and torch.equal(again, want)
+    fell_back = [r for r in caplog.records if "ran on 'sdpa' instead" in r.getMessage()]
+    assert len(fell_back) == 1 and "simulated missing compiler" in fell_back[0].getMessage()
     assert list(flex.failures()) == ["cpu float32 B=1 T=192 H=1 D=16"]
     assert dispatch.choose(p).name == "sdpa"
+    assert "simulated missing compiler" in flex.FlexBackend().automatic_reasons(p)[0]
+    assert not flex.FlexBackend().not_supported_reasons(p)        # by name it still runs (or raises)
+    listed = next(b for b in solattn.list_backends("cpu") if b["name"] == "flex")
+    assert listed["available"] and any("T=192" in note and "simulated" in note for note in listed["automatic"])
     other = validate(*_inputs(torch.float32, seed=1, B=1, T=4 * BLOCK, H=1, D=16), topk_ratio=0.5)
     assert dispatch.choose(other).name == "flex"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert torch.equal(solattn.sol_attn(q, k, v, topk_ratio=0.5), want)
-    with pytest.raises(solattn.BackendError, match="simulated missing compiler"):
-        solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="flex")
+    monkeypatch.setattr(kernel, "compile_fn", _eager)                  # compiling works again
+    got = solattn.sol_attn(q, k, v, topk_ratio=0.5, backend="flex")
+    assert rel_l2(got, want) < tolerance(torch.float32)
+    assert not flex.failures() and dispatch.choose(p).name == "flex"
     kernel.clear_cache()
-    flex._failures.clear()
 
 
-def test_a_declined_video_call_falls_back_to_a_backend_that_runs_plans(fresh, monkeypatch):
+def test_a_declined_video_call_falls_back_to_a_backend_that_runs_plans(fresh, monkeypatch, caplog):
     """A VSA call that flex declines (its compile failed) runs on the next backend that consumes
     routing plans, never on one that would apply sol_attn's selection instead of VSA's: a
     plan-less backend placed first on the CPU is passed over, as the automatic choice does."""
@@ -219,13 +233,101 @@ def test_a_declined_video_call_falls_back_to_a_backend_that_runs_plans(fresh, mo
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, 60, 2, 16, generator=g) for _ in range(3))
         assert dispatch.priority("cpu")[0] == "planlesstest"
-        with pytest.warns(RuntimeWarning, match="could not compile .* ran on 'sdpa' instead"):
+        with caplog.at_level("WARNING", logger="solattn"):
             got = solattn.video_sparse_attn(q, k, v, grid, topk=1)
+        assert any("could not compile" in r.getMessage() and "ran on 'sdpa' instead" in r.getMessage()
+                   for r in caplog.records)
         assert torch.equal(got, solattn.video_sparse_attn(q, k, v, grid, topk=1, backend="sdpa"))
     finally:
         dispatch.unregister("planlesstest")
         kernel.clear_cache()
         flex._failures.clear()
+
+
+def _eager(key):
+    """A stand-in for the compiled function (torch.compile's seam): the same computation, run
+    eagerly, so a test sees the backend's bookkeeping without paying a compile."""
+    return functools.partial(kernel._attend, key)
+
+
+def test_first_call_of_a_shape_says_it_is_compiling(fresh, monkeypatch, caplog):
+    """The first call of a shape logs (WARNING, logger solattn.flex) that it compiles, how long
+    that may take, where torch caches it and how to avoid it, then how long it took; a second
+    call of that shape logs nothing."""
+    kernel.clear_cache()
+    monkeypatch.setattr(kernel, "compile_fn", _eager)
+    q, k, v = _inputs(torch.float32, seed=2, B=1, T=2 * BLOCK, H=1, D=16)
+    with caplog.at_level("WARNING", logger="solattn.flex"):
+        solattn.sol_attn(q, k, v, topk_ratio=0.5, tail=False, backend="flex")
+    first = [r.getMessage() for r in caplog.records if r.name == "solattn.flex"]
+    assert len(first) == 2, first
+    assert "compiling the flex kernel" in first[0] and "T=128" in first[0] and "15-90 s" in first[0]
+    assert flex.compile_cache_dir() in first[0] and "solattn.warm_up" in first[0]
+    assert "compiled in" in first[1]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="solattn.flex"):
+        solattn.sol_attn(q, k, v, topk_ratio=0.5, tail=False, backend="flex")
+    assert not [r for r in caplog.records if r.name == "solattn.flex"]
+    kernel.clear_cache()
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_automatic_cpu_choice_both_ways(fresh, monkeypatch, amx):
+    """The default path on either kind of CPU, forced: without AMX the automatic choice is sdpa
+    for every shape; with AMX it is sdpa until a shape is compiled (solattn.warm_up), then flex
+    for that shape only, each matching the reference; SOLATTN_FLEX_CPU=1 takes flex for every
+    shape. list_backends says why flex is passed over."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    kernel.clear_cache()
+    monkeypatch.setattr(kernel, "compile_fn", _eager)
+    q, k, v = _inputs(torch.float32, seed=3, B=1, T=3 * BLOCK - 5, H=2, D=16)
+    other = _inputs(torch.float32, seed=3, B=1, T=2 * BLOCK, H=2, D=16)
+    kw = dict(topk_ratio=0.4, tail=True)
+    p, p_other = validate(q, k, v, **kw), validate(*other, **kw)
+    assert dispatch.choose(p).name == "sdpa"
+    listed = next(b for b in solattn.list_backends("cpu") if b["name"] == "flex")
+    assert (listed["priority"] == 0) == amx
+    if amx:
+        assert "not compiled for this shape" in flex.FlexBackend().automatic_reasons(p)[0]
+        assert any("solattn.warm_up" in note for note in listed["automatic"])
+    seconds = solattn.warm_up(solattn.sol_attn, q, k, v, **kw)
+    assert seconds > 0
+    assert dispatch.choose(p).name == ("flex" if amx else "sdpa")
+    assert dispatch.choose(p_other).name == "sdpa"
+    want = solattn.sol_attn(q, k, v, backend="reference", **kw)
+    assert rel_l2(solattn.sol_attn(q, k, v, **kw), want) < tolerance(torch.float32)
+    monkeypatch.setenv(flex.CPU_SWITCH, "1")
+    assert dispatch.choose(p_other).name == "flex"
+    kernel.clear_cache()
+
+
+def test_warm_up_checks_its_arguments():
+    q = k = v = torch.randn(1, 64, 1, 16)
+    with pytest.raises(TypeError, match="argument 'fn'"):
+        solattn.warm_up(print, q, k, v)
+    with pytest.raises(ValueError, match="argument 'backend'"):
+        solattn.warm_up(solattn.sol_attn, q, k, v, backend="nope")
+
+
+def test_flex_stays_out_where_its_working_memory_passes_the_budget(fresh, monkeypatch):
+    """The BlockMask's lists grow as B*H*n^2: at T=262144 (n=4096) and H=4 they alone pass a
+    256 MiB budget, so flex refuses the call (by name too, with the reason) and the automatic
+    choice takes sdpa even with SOLATTN_FLEX_CPU=1; a small call stays within and is taken."""
+    monkeypatch.setenv(flex.CPU_SWITCH, "1")
+    big = torch.zeros(1, 262144, 4, 64, dtype=torch.bfloat16)
+    p = validate(big, big, big, topk_ratio=0.001, tail=False)
+    assert kernel.working_bytes(p) > 2 * 4 * 4096 * 4096 * 4
+    with solattn.memory_budget(256 << 20):
+        reasons = flex.FlexBackend().not_supported_reasons(p)
+        assert reasons and "memory budget of 256 MiB" in reasons[0]
+        assert dispatch.choose(p).name == "sdpa"
+        with pytest.raises(solattn.BackendError, match="memory budget"):
+            dispatch.choose(p, "flex")
+        small = validate(*_inputs(torch.float32, seed=1, B=1, T=2 * BLOCK, H=1, D=16), topk_ratio=0.5)
+        assert dispatch.choose(small).name == "flex"
 
 
 def _raise_compile_error(*args):
@@ -309,3 +411,41 @@ def test_video_sparse_attn_on_flex_matches_sdpa(fresh):
     want = solattn.video_sparse_attn(q, k, v, grid, sparsity=0.5, gate=gate, backend="sdpa")
     assert got.shape == q.shape and torch.isfinite(got).all()
     assert rel_l2(got, want) < tolerance(torch.bfloat16)
+
+
+BUDGET_SCRIPT = """
+import ctypes, json, os, torch, solattn
+def status(key):  # this process's resident memory (VmRSS) or its peak (VmHWM), bytes
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+B, T, H, D = 1, 262144, 4, 64
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(B, T, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
+small = [x[:, :4096] for x in (q, k, v)]
+solattn.sol_attn(*small, topk_ratio=0.1, tail=False, backend="sdpa")        # warm the libraries
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+with open("/proc/self/clear_refs", "w") as f:   # restart the peak (VmHWM) from now
+    f.write("5")
+before = status("VmRSS")
+with solattn.memory_budget(BUDGET):
+    out = solattn.sol_attn(q, k, v, topk_ratio=0.001, tail=False)
+peak = status("VmHWM")
+print(json.dumps({"working": peak - before - out.numel() * out.element_size(),
+                  "finite": bool(torch.isfinite(out).all())}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
+def test_automatic_backend_stays_within_the_budget_at_T_262144():
+    """With flex first on the CPU (as on AMX CPUs), a 262144-token call under a 256 MiB budget
+    grows the process by at most budget * 1.25 + 64 MiB, plan included (flex's BlockMask alone
+    would take 0.5 GiB there: the automatic choice must not take it)."""
+    budget = 256 << 20
+    env = dict(os.environ, **{flex.CPU_SWITCH: "1"})
+    res = subprocess.run([sys.executable, "-c", f"BUDGET = {budget}\n" + BUDGET_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["finite"]
+    assert info["working"] <= budget * 1.25 + (64 << 20), info

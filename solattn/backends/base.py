@@ -123,6 +123,15 @@ class Backend:
         """Backend-specific reasons it cannot run ``problem`` (memory budgets, ...)."""
         return []
 
+    def automatic_reasons(self, problem: Problem) -> List[str]:
+        """Reasons the automatic choice passes this backend over for ``problem`` although it could
+        run it when asked for by name (a compile that would not pay for itself, ...)."""
+        return []
+
+    def automatic_notes(self, device: DeviceLike) -> List[str]:
+        """What :meth:`automatic_reasons` holds on ``device`` for many calls, shown by ``list_backends``."""
+        return []
+
     # ------------------------------------------------------------------ the generic checks
 
     def availability_reasons(self, device: DeviceLike) -> List[str]:

@@ -4,35 +4,54 @@
 What it needs, and says when missing (:meth:`FlexBackend.device_reasons`): a torch with
 FlexAttention, a working ``torch.compile`` for the device (on the CPU a C++ compiler and
 AVX2), and on XPU an explicit opt-in (``SOLATTN_FLEX_XPU=1``: never run on Intel GPUs here).
-A compilation that fails in a call is recorded as a reason for that shape (device type, dtype,
-B, T, H, D), the call falls back to the next backend of the priority list (a warning says why),
-and the automatic choice skips ``flex`` for that shape from then on; other shapes still try it.
 
-When the automatic choice takes it (:func:`automatic`): on CPUs whose matrix unit (AMX) the
-compiled kernel uses, where it measured faster than the ``sdpa`` backend, with a torch whose
-CPU lowering has compiled every shape of the test suite (:data:`CPU_TORCH`; older ones are not
-checked), and on XPU when opted in; elsewhere only by name. The coarse branch is added outside
-the compiled graph: fused into it, it was an epilogue torch 2.13's CPU lowering refused
-("Unsupported for epilogue_nodes in CppFlexAttentionTemplate"), as was reported for 2.11.
-``SOLATTN_FLEX_CPU=1`` / ``=0`` overrides the CPU rule.
+Compiling: the first call of each shape (device type, dtype, B, T, H, D, key_bias rows, tail,
+scale) compiles a kernel, 15-90 s on a CPU (torch's on-disk cache, :func:`compile_cache_dir`,
+shortens it in later processes). A log line (logger ``solattn.flex``, WARNING) says so when it
+starts and how long it took. :func:`solattn.warm_up` compiles a shape ahead of time.
+
+When it runs:
+
+- by name (``backend="flex"``, ``use_backend("flex")``): always; a compile that fails raises
+  :class:`~solattn.BackendError` with the compiler's error (and is tried again on the next call).
+- automatically (:func:`automatic`, :meth:`FlexBackend.automatic_reasons`): on CPUs whose matrix
+  unit (AMX) the compiled kernel uses, where it measured faster than the ``sdpa`` backend, with a
+  torch whose CPU lowering has compiled every shape of the test suite (:data:`CPU_TORCH`), and
+  on XPU when opted in; on the CPU only for shapes already compiled in this process (a compile
+  costs as much as hundreds of calls save; ``SOLATTN_FLEX_CPU=1`` takes it for every shape,
+  compiling on first use, ``=0`` never). A compile that fails in an automatic call is logged once,
+  the call runs on the next backend, and the automatic choice passes flex over for that shape for
+  the rest of the process (not retried; ``list_backends()`` shows why; a call by name or
+  :func:`solattn.warm_up` tries again and, if it compiles, clears the record).
+- never where its working memory (the ``BlockMask``'s lists, ``O(B H n^2)``, and the copies a
+  tail or dead rows need: :func:`~.kernel.working_bytes`) exceeds the memory budget in force
+  (:func:`solattn.memory_budget`), by name or not.
+
+The coarse branch is added outside the compiled graph: fused into it, it was an epilogue torch
+2.13's CPU lowering refused ("Unsupported for epilogue_nodes in CppFlexAttentionTemplate").
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import threading
+import time
 from typing import Dict, List
 
 import torch
 
+from ...budget import current_budget
 from ...validation import Problem
 from ..base import ALL_FEATURES, Backend, Declined
-from .kernel import call_key, clear_cache, compiled_for, flex_forward, is_compiled, mark_compiled
+from .kernel import call_key, clear_cache, flex_forward, forget, is_compiled, mark_compiled, working_bytes
 
 __all__ = ["FlexBackend", "XPU_OPT_IN", "CPU_SWITCH", "amx_usable", "automatic", "flex_forward",
-           "clear_cache", "failures"]
+           "clear_cache", "failures", "compile_cache_dir"]
+
+log = logging.getLogger("solattn.flex")
 
 #: environment variable that opts in to running flex on Intel XPUs
 XPU_OPT_IN = "SOLATTN_FLEX_XPU"
@@ -43,10 +62,25 @@ CPU_SWITCH = "SOLATTN_FLEX_CPU"
 #: have not been run since the coarse branch left the compiled graph)
 CPU_TORCH = "2.11"
 
-#: shape (device type, dtype, B, T, H, D) -> why its compilation failed (filled by failed calls;
-#: see FlexBackend.forward)
+#: shape (device type, dtype, B, T, H, D) -> why its compilation failed in an automatic call
+#: (the automatic choice passes flex over for it; see FlexBackend.forward)
 _failures: Dict[tuple, str] = {}
 _failures_lock = threading.Lock()
+
+
+def compile_cache_dir() -> str:
+    """Where torch.compile keeps compiled kernels between processes (``TORCHINDUCTOR_CACHE_DIR``,
+    else torch's default, a folder under the system's temporary directory)."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if path:
+        return path
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        return cache_dir()
+    except Exception:  # noqa: BLE001 - older torch: its documented default
+        import getpass
+        import tempfile
+        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 
 
 def failures() -> Dict[str, str]:
@@ -147,9 +181,9 @@ def _cpp_compiler() -> bool:
 
 class FlexBackend(Backend):
     name = "flex"
-    description = ("compiled FlexAttention with the plan as its BlockMask (gather free); chosen "
-                   "automatically on CPUs with AMX (torch 2.11+) and on XPU with SOLATTN_FLEX_XPU=1; the first call "
-                   "of each shape compiles (seconds)")
+    description = ("compiled FlexAttention with the plan as its BlockMask (gather free); the first call of "
+                   "each shape compiles (15-90 s on a CPU); chosen automatically on CPUs with AMX (torch 2.11+) "
+                   "for shapes compiled in the process (solattn.warm_up) and on XPU with SOLATTN_FLEX_XPU=1")
     devices = frozenset({"cpu", "cuda", "xpu"})
     #: forward only: torch 2.13's CPU flex_attention lowering is inference-only, so gradients of a
     #: call that ran here come from recomputing it on the device's first differentiable backend
@@ -167,28 +201,66 @@ class FlexBackend(Backend):
         return _compile_reasons(device)
 
     def problem_reasons(self, problem: Problem) -> List[str]:
+        need, budget = working_bytes(problem), current_budget()
+        if need > budget:
+            return [f"needs about {need / 2**20:.0f} MiB of working memory (its BlockMask's lists grow as "
+                    f"B*H*n^2), over the memory budget of {budget / 2**20:.0f} MiB (solattn.memory_budget)"]
+        return []
+
+    def automatic_reasons(self, problem: Problem) -> List[str]:
+        """Why the automatic choice passes flex over for ``problem`` although it could run it: a
+        compile that failed for the shape earlier; on the CPU, a shape not compiled yet."""
         failed = _failures.get(_shape(problem))
-        return [f"torch.compile failed for this shape earlier: {failed}"] if failed else []
+        if failed:
+            return [f"its compile failed for this shape earlier ({failed}); not retried automatically "
+                    "(backend='flex' or solattn.warm_up tries again)"]
+        if (problem.device.type == "cpu" and os.environ.get(CPU_SWITCH, "").strip() != "1"
+                and not is_compiled(call_key(problem))):
+            return ["not compiled for this shape yet (a CPU compile takes 15-90 s): the automatic choice "
+                    "takes flex for shapes compiled in this process (solattn.warm_up) or, with "
+                    f"{CPU_SWITCH}=1, for every shape"]
+        return []
+
+    def automatic_notes(self, device) -> List[str]:
+        """What :meth:`automatic_reasons` holds for every call on ``device``, for ``list_backends``."""
+        kind = torch.device(device).type
+        if not automatic(kind):
+            return [f"not in the automatic choice on this {kind} (CPUs with AMX and torch {CPU_TORCH}+ or "
+                    f"{CPU_SWITCH}=1; XPU with {XPU_OPT_IN}=1): runs when asked for by name"]
+        notes = [f"compile failed for {shape} (automatic choice passes it over): {why}"
+                 for shape, why in failures().items() if shape.split()[0] == kind]
+        if kind == "cpu" and os.environ.get(CPU_SWITCH, "").strip() != "1":
+            notes.append("chosen automatically only for shapes compiled in this process (solattn.warm_up); "
+                         f"{CPU_SWITCH}=1 takes it for every shape (compiling 15-90 s per new shape)")
+        return notes
 
     def forward(self, problem: Problem, plan=None) -> torch.Tensor:
         if plan is None:
             raise ValueError("flex backend: forward needs the routing plan (solattn.routing.build_plan(problem))")
-        key = call_key(problem, plan)
+        key = call_key(problem)
         if is_compiled(key):
             return flex_forward(problem, plan)
+        log.warning("solattn: compiling the flex kernel for %s (first call of this shape; 15-90 s on a CPU, "
+                    "seconds on a GPU; torch caches it under %s for later processes; solattn.warm_up compiles "
+                    "ahead, backend='sdpa' or %s=0 avoids it)", problem.describe(), compile_cache_dir(), CPU_SWITCH)
+        start = time.perf_counter()
         try:
             out = flex_forward(problem, plan)
-        except Exception as err:  # noqa: BLE001 - a failed compilation must not fail the call
-            return self._fall_back(problem, plan, err)
+        except Exception as err:  # noqa: BLE001 - the op layer decides: raise (by name) or fall back
+            return self._decline(problem, err)
         mark_compiled(key)
+        with _failures_lock:
+            _failures.pop(_shape(problem), None)
+        log.warning("solattn: flex kernel compiled in %.1f s", time.perf_counter() - start)
         return out
 
-    def _fall_back(self, problem: Problem, plan, err: Exception) -> torch.Tensor:
-        """Record why compiling failed for this shape (flex is not offered it again) and decline
-        the call: the op layer runs it on the next backend."""
+    def _decline(self, problem: Problem, err: Exception) -> torch.Tensor:
+        """Record why compiling failed for this shape (the automatic choice passes flex over for
+        it) and decline the call: the op layer raises it when flex was asked for by name, else
+        runs the call on the next backend."""
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         why = f"{type(err).__name__}: {first[:300]} (at {problem.describe()})"
         with _failures_lock:
             _failures[_shape(problem)] = why
-        raise Declined(f"the flex backend could not compile this call ({why}), and flex is skipped for this "
-                       "shape from now on") from err
+        forget(call_key(problem))
+        raise Declined(f"the flex backend could not compile this call ({why})") from err

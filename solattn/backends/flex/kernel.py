@@ -100,10 +100,40 @@ class Key:
         return self.n * BLOCK + self.tail_blocks * BLOCK if self.tail else self.T
 
 
-def call_key(p: Problem, plan: Plan) -> Key:
+def call_key(p: Problem, plan: Optional[Plan] = None) -> Key:
+    """The compiled function's key of a call (its plan has tail terms exactly when ``p.tail``)."""
     return Key(device=str(p.device), dtype=p.dtype, B=p.B, T=p.T, H=p.H, D=p.D,
-               bias_rows=0 if p.key_bias is None else p.key_bias.shape[0], tail=plan.tail_lse is not None,
-               scale=p.scale)
+               bias_rows=0 if p.key_bias is None else p.key_bias.shape[0], tail=p.tail, scale=p.scale)
+
+
+#: bytes per element of the ``(B, H, n, key blocks)`` selection while :meth:`Plan.to_block_mask`
+#: runs: two int32 lists kept (partial and full blocks), and at the peak the bool mask, its
+#: partial part and the int64 positions of one list
+MASK_BYTES_PER_BLOCK_PAIR = 2 * 4 + 2 * 1 + 8 + 4
+
+
+def working_bytes(p: Problem) -> int:
+    """An upper estimate of what a call of ``p`` allocates beyond its inputs, output and plan:
+    the ``BlockMask`` (its lists are ``(B, H, n, n)`` int32 twice), the copies the tail needs
+    (q widened, k and v extended by the tail slots; fp32 terms of its logit) or that dead rows
+    need (zeroed copies), the padded ``key_bias``, the kernel's ``(B, H, T, D)`` output before its
+    transpose, and one chunk of the coarse branch's add."""
+    key = call_key(p)
+    B, T, H, D, n = p.B, p.T, p.H, p.D, key.n
+    es = p.dtype.itemsize
+    total = B * H * n * (n + key.tail_blocks) * MASK_BYTES_PER_BLOCK_PAIR
+    total += B * H * T * D * es                                       # the kernel's output, transposed after
+    if key.tail:
+        E = key.tail_dims
+        total += B * H * (T + key.key_len) * (D + E) * es + B * H * key.key_len * D * es
+        total += B * H * T * (D + 2) * 4 if E else 2 * B * H * T * 4   # fp32 terms of the tail's logit
+    elif p.block_len is not None and not p.dead_rows_zero:
+        total += 3 * B * H * T * D * es                                # q, k and v with dead rows zeroed
+    if p.key_bias is not None:
+        total += B * key.key_len * 4
+    if p.coarse_gate is not None:
+        total += min(COARSE_BYTES, B * T * H * D * 12)
+    return total
 
 
 def _attend(key: Key, q, k, v, mask, bias, tlog):
@@ -172,6 +202,13 @@ def _shape_limit():
     pairs = (("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit"))
     names = [next(n for n in pair if hasattr(config, n)) for pair in pairs if any(hasattr(config, n) for n in pair)]
     return config.patch(**{n: max(getattr(config, n), RECOMPILE_LIMIT) for n in names})
+
+
+def forget(key: Key) -> None:
+    """Drop ``key``'s function (its compile failed: the next call by name compiles again)."""
+    with _lock:
+        _cache.pop(key, None)
+        _ran.discard(key)
 
 
 def cached_keys() -> Tuple[Key, ...]:
@@ -264,7 +301,7 @@ def _tail_in_dims(key: Key, p: Problem, plan: Plan, q_w: torch.Tensor, k_ext: to
 
 def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
     """SPEC.md's output for ``p`` from ``plan`` through ``flex_attention`` (compiled per shape)."""
-    key = call_key(p, plan)
+    key = call_key(p)
     live_rows = None
     if p.block_len is not None:
         lengths = plan.block_len.clamp(max=BLOCK)
