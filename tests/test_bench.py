@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,107 @@ def test_tau_mode_rows_and_peers_not_run_say_why(tmp_path, capsys):
     assert "| tau 0.5 |" in md and "| top-k 0.2 |" in md
     out = capsys.readouterr().out
     assert "not run: comfy-kitchen: its fused kernel runs on CUDA only" in out
+
+
+# ------------------------------------------------------------- the table, the plot and the log agree
+
+def _table(text):
+    """The terminal table's rows as ``{header: cell}``, cut at the columns of its dashed line."""
+    lines = text.splitlines()
+    i = next(n for n, line in enumerate(lines) if set(line.replace(" ", "")) == {"-"})
+    spans, col = [], 0
+    for dashes in lines[i].split("  "):
+        spans.append((col, col + len(dashes)))
+        col += len(dashes) + 2
+    cut = lambda line: [line[a:b].strip() for a, b in spans]  # noqa: E731
+    head = cut(lines[i - 1])
+    rows = []
+    for line in lines[i + 1:]:
+        if not line.strip() or line.startswith("Columns:"):       # the legend follows the table
+            break
+        rows.append(dict(zip(head, cut(line))))
+    return rows
+
+
+def _printed_close(value, cell):
+    """``value`` printed with 4 significant digits gives ``cell`` (within its last digit's half)."""
+    x = float(cell)
+    return abs(value - x) <= 0.5 * 10 ** (math.floor(math.log10(x)) - 3) * 1.0001
+
+
+@pytest.fixture(scope="module")
+def grid_run(tmp_path_factory):
+    """Two lengths, two ratios, tail off and on; dense, sdpa and triton (not run on the CPU); what
+    the plot draws is recorded from the figure as it is saved."""
+    pytest.importorskip("matplotlib")
+    import contextlib
+    import io
+
+    from matplotlib.figure import Figure
+    out = tmp_path_factory.mktemp("grid")
+    drawn = {}
+    save = Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        for line in fig.axes[0].lines:
+            drawn[line.get_label()] = list(zip(line.get_xdata(), line.get_ydata()))
+        return save(fig, *args, **kwargs)
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        mp.setattr(Figure, "savefig", record)
+        rc = bench.main(["--device", "cpu", "--shapes", "1,64,1,16", "1,128,1,16", "--ratios", "0.1", "0.5",
+                         "--tail", "--backends", "dense", "sdpa", "triton", "--repeats", "3", "--out", str(out)])
+    assert rc == 0
+    return _table(stdout.getvalue()), drawn, stderr.getvalue(), _csv_rows(out / "bench.csv")
+
+
+def test_plot_draws_the_table_s_numbers(grid_run):
+    """Every point of the plot is one row of the table (same backend, routing, tail and T, the same
+    time), and every row of the table is a point: dense included, one dense line per rounds group."""
+    table, drawn, _, _ = grid_run
+    assert len(table) == 2 * 2 * 2 * 2                       # T x ratio x tail x (dense, sdpa)
+    plotted = []
+    for label, points in drawn.items():
+        backend = "dense" if label.startswith("dense SDPA") else label.split()[0]
+        ratio = re.search(r"r=([0-9.]+)", label)
+        assert ratio, f"the line {label!r} does not say which routing it belongs to"
+        for t, ms in points:
+            plotted.append((backend, int(t), f"top-k {ratio.group(1)}", "on" if "tail" in label else "off", ms))
+    rows = {(r["backend"], int(r["shape BxTxHxD"].split("x")[1]), r["routing"], r["tail"]): r["time ms"]
+            for r in table}
+    assert len(rows) == len(table) == len(plotted)
+    assert {p[:4] for p in plotted} == set(rows)
+    for *key, ms in plotted:
+        assert _printed_close(ms, rows[tuple(key)]), (key, ms, rows[tuple(key)])
+
+
+def test_each_ratio_is_the_quotient_of_the_times_beside_it(grid_run):
+    table, _, _, csv_rows = grid_run
+    dense = {(r["shape BxTxHxD"], r["routing"], r["tail"]): float(r["time ms"]) for r in table
+             if r["backend"] == "dense"}
+    for r in table:
+        shown = float(r["vs dense"].rstrip("x"))
+        if r["backend"] == "dense":
+            assert r["vs dense"] == "1.00x"
+            continue
+        quotient = dense[r["shape BxTxHxD"], r["routing"], r["tail"]] / float(r["time ms"])
+        # two times rounded to 4 digits, the ratio to 2 decimals
+        assert abs(shown - quotient) <= 0.005 + 1.2e-3 * quotient, (r, quotient)
+    dense_ms = {(r["T"], r["ratio"], r["tail"]): float(r["time_ms"]) for r in csv_rows if r["backend"] == "dense"}
+    for r in csv_rows:                                       # unrounded, in the CSV: exactly that quotient
+        assert float(r["speedup"]) == pytest.approx(dense_ms[r["T"], r["ratio"], r["tail"]] / float(r["time_ms"]),
+                                                    rel=1e-12)
+
+
+def test_progress_header_items_apart_and_a_skip_said_once(grid_run):
+    _, _, log, _ = grid_run
+    header = log.splitlines()[0].split("] ", 1)[1]
+    items = header.split("; ")
+    assert "backends dense, sdpa, triton" in items, items
+    assert any(item.startswith("error basis") and "GiB" in item for item in items), items
+    # triton cannot run on the CPU: said once in the log, once in the summary, not per problem
+    assert log.count("triton skipped") == 1, log
 
 
 def test_plot_skipped_without_matplotlib(monkeypatch, tmp_path):

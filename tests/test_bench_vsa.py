@@ -142,7 +142,7 @@ def test_fastvideo_adapter_tiles_transposes_and_returns_raw_order(monkeypatch):
 
 
 def test_cpu_run_times_dense_and_solattn_forward_and_backward(tmp_path):
-    rc = bench.main(["--shapes", "vsa-quick", "--device", "cpu", "--backward", "--repeats", "1",
+    rc = bench.main(["--shapes", "vsa-quick", "--device", "cpu", "--backward", "--repeats", "3",
                      "--out", str(tmp_path)])
     assert rc == 0
     with open(tmp_path / "bench.csv", newline="") as f:
@@ -156,6 +156,10 @@ def test_cpu_run_times_dense_and_solattn_forward_and_backward(tmp_path):
             mine, dense = float(got[label, what, "solattn"]["rel_l2"]), float(got[label, what, "dense"]["rel_l2"])
             assert mine < tol and dense > 5 * mine, (label, what, mine, dense)   # 2 of 8 cubes: not dense
             assert float(got[label, what, "solattn"]["time_ms"]) > 0
+            # vs dense: the quotient of the two times beside it (medians over the same rounds)
+            for b in ("dense", "solattn"):
+                assert float(got[label, what, b]["speedup"]) == pytest.approx(
+                    float(got[label, what, "dense"]["time_ms"]) / float(got[label, what, b]["time_ms"]), rel=1e-12)
     md = Path(tmp_path, "bench.md").read_text()
     assert "| 70 + 4x8x16, 2 of 8, gate | forward + backward | solattn |" in md
     assert "- fastvideo-sm90: FastVideo's VSA kernels run on CUDA only" in md

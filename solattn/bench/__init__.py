@@ -18,7 +18,8 @@ One backend on one problem ``(B, T, H, D, dtype, topk_ratio, tail, coarse_gate)`
   ``build_plan`` alone (part of ``time_ms``). The dense row is ``F.scaled_dot_product_attention``
   on contiguous ``(B, H, T, D)`` copies of the same inputs (no layout copy is timed): the same
   problem without sparsity, re-timed in every (ratio, tail) group beside the sparse rows.
-- ``speedup``: median over rounds of (dense time / row time) within the same round.
+- ``speedup``: dense ``time_ms`` / row ``time_ms``, the two medians over the same rounds (the dense row
+  of the same problem and (ratio, tail) group), so it can be read off the two printed times.
 - ``peak_mib``: memory the call needed beyond what was held before it (the output included),
   measured on the last warm-up call. CUDA / XPU: ``max_memory_allocated`` after
   ``reset_peak_memory_stats`` minus ``memory_allocated`` before (basis ``allocator``). CPU (Linux):
@@ -84,11 +85,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      "allowed: a writable folder path")
     if cfg.vsa:
         return _main_vsa(cfg)
-    log(f"device {cfg.device}, dtype {DTYPE_NAMES[cfg.dtype]}, shapes "
-        + " ".join(_shape_str(s) for s in cfg.shapes) + f", ratios {cfg.ratios}, tail "
-        + ("off+on" if len(cfg.tails) > 1 else "off") + ", backends "
-        + ", ".join(([DENSE] if cfg.with_dense else []) + cfg.backends)
-        + f", reference budget {reference_module.budget.bytes / 2**30:.1f} GiB")
+    log("; ".join([f"device {cfg.device}", f"dtype {DTYPE_NAMES[cfg.dtype]}",
+                   "shapes " + " ".join(_shape_str(s) for s in cfg.shapes),
+                   "ratios " + ", ".join(f"{r:g}" for r in cfg.ratios),
+                   "tail " + ("off+on" if len(cfg.tails) > 1 else "off"),
+                   "backends " + ", ".join(([DENSE] if cfg.with_dense else []) + cfg.backends),
+                   "error basis the reference backend where it fits its memory budget of "
+                   f"{reference_module.budget.bytes / 2**30:.1f} GiB, else sdpa on fp32 copies"]))
     log(f"results go to {os.path.abspath(cfg.out)}")
     if not cfg.with_dense and not cfg.backends:
         log("nothing to time")

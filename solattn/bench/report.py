@@ -81,8 +81,9 @@ LEGEND = [
     ("plan ms", "the routing plan alone (the one this backend runs from: the fused Triton plan where "
                 "triton takes it, else build_plan's torch path), part of time ms (n/a for comfy-kitchen, "
                 "which routes inside its own call)"),
-    ("vs dense", "speed-up: dense time / this row's time, median over rounds (each round runs dense "
-                 "and every backend once, in an order rotated each round)"),
+    ("vs dense", "speed-up: the time ms of the dense row above (same problem, routing and tail) / "
+                 "this row's time ms, both medians over the same rounds (each round runs dense and "
+                 "every backend once, in an order rotated each round)"),
     ("peak MiB", "extra memory one call needed beyond what was held before it, output included; "
                  "a leading ≥ marks CPU resident-set sampling, a lower bound; n/a: not measured on "
                  "this device"),
@@ -203,23 +204,39 @@ def write_markdown(rows: List[dict], cfg: Config, path: str, plot_note: str) -> 
         f.write("\n".join(lines) + "\n")
 
 
+def plot_lines(rows: List[dict]) -> Dict[str, Dict[int, float]]:
+    """The plot's data: ``{label: {T: time_ms}}``, one line per (backend, routing, tail[, B/H/D]),
+    each point a table row's ``time_ms``. Dense is timed anew beside each (routing, tail) group,
+    so it gets a line per group (labelled with the group) whenever there is more than one: each
+    sparse line is drawn with the dense times its ``vs dense`` column was taken from."""
+    shapes = sorted({(r["B"], r["H"], r["D"]) for r in rows})
+    modes = sorted({(r["ratio"], r.get("tau"), r["tail"]) for r in rows}, key=str)
+    lines: Dict[str, Dict[int, float]] = {}
+    for r in rows:
+        mode = (f"r={r['ratio']:g}" if r["ratio"] else f"tau={r.get('tau', 1.0):g}") \
+            + (" tail" if r["tail"] else "")
+        if r["backend"] == DENSE:
+            label = "dense SDPA" + (f" (rounds of {mode})" if len(modes) > 1 else "")
+        else:
+            label = f"{r['backend']} {mode}"
+        if len(shapes) > 1:
+            label += f" (B={r['B']},H={r['H']},D={r['D']})"
+        pts = lines.setdefault(label, {})
+        if r["T"] in pts:
+            raise ValueError(f"two rows for the plot's point {label!r} at T={r['T']}")
+        pts[r["T"]] = r["time_ms"]
+    return lines
+
+
 def write_plot(rows: List[dict], path: str, cfg: Config) -> str:
-    """Time against T, log-log, one line per (backend, ratio, tail[, B/H/D]); returns a note."""
+    """Time against T, log-log, the lines of :func:`plot_lines`; returns a note."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no plot (pip install matplotlib)."
-    groups = sorted({(r["B"], r["H"], r["D"]) for r in rows})
-    lines: Dict[str, Dict[int, float]] = {}
-    for r in rows:
-        mode = f"r={r['ratio']:g}" if r["ratio"] else f"tau={r.get('tau', 1.0):g}"
-        label = "dense SDPA" if r["backend"] == DENSE else \
-            f"{r['backend']} {mode}" + (" tail" if r["tail"] else "")
-        if len(groups) > 1:
-            label += f" (B={r['B']},H={r['H']},D={r['D']})"
-        lines.setdefault(label, {})[r["T"]] = r["time_ms"]
+    lines = plot_lines(rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, pts in sorted(lines.items()):
         ts = sorted(pts)

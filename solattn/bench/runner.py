@@ -55,8 +55,8 @@ def run(cfg: Config) -> List[dict]:
     """Every problem: warm-up and memory per contender, then ``repeats`` interleaved rounds.
 
     In each round every contender (dense first, then each backend) runs once, so a change in
-    machine load during the run hits dense and sparse alike; ``speedup`` is the median over
-    rounds of ``dense time / row time`` of the same round.
+    machine load during the run hits dense and sparse alike; ``speedup`` is dense's median time
+    over those rounds divided by the row's median time over the same rounds.
     """
     rows: List[dict] = []
     dev, dt = cfg.device, cfg.dtype
@@ -132,8 +132,10 @@ def run(cfg: Config) -> List[dict]:
                 for name in cfg.backends:
                     reasons = dispatch.get_backend(name).not_supported_reasons(problem)
                     if reasons:
-                        log(f"{name} skipped at {tag}: {'; '.join(reasons)}")
-                        cfg.skip(f"{name}: {'; '.join(reasons)}", tag)
+                        what = f"{name}: {'; '.join(reasons)}"
+                        if what not in cfg.skipped:   # said once; the summary lists the problems
+                            log(f"{name} skipped at {tag} (and wherever the same holds): {'; '.join(reasons)}")
+                        cfg.skip(what, tag)
                         del calls[name]
                 if cfg.graphs and fused_plan_usable(problem):
                     # a call is capturable when its plan is the fused one (no host syncs)
@@ -162,11 +164,11 @@ def run(cfg: Config) -> List[dict]:
                 base = dict(device=dev.type, dtype=dname, B=B, T=T, H=H, D=D, ratio=ratio,
                             tau=None if ratio else tau, tail=tail,
                             coarse_gate=cfg.coarse, repeats=cfg.repeats)
+                dense_ms = statistics.median(times[DENSE]) if DENSE in times else None
                 for name, (fn, err, peak, peak_basis) in contenders.items():
                     ms = statistics.median(times[name])
-                    speedup = None
-                    if DENSE in times:
-                        speedup = statistics.median(d / t for d, t in zip(times[DENSE], times[name]))
+                    # the two medians of the same rounds, as printed side by side
+                    speedup = dense_ms / ms if dense_ms is not None else None
                     if name == DENSE:
                         fl, by = flop_count(shape, None), bytes_moved(shape, elt, None, "dense")
                         rows.append(dict(base, backend=DENSE, time_ms=ms, plan_ms=None, speedup=speedup,

@@ -166,10 +166,10 @@ def _pass(p: VSAProblem, cfg: Config, inputs, calls, backward: bool, tag: str) -
     base = dict(problem=p.label, device=cfg.device.type, dtype=DTYPE_NAMES[cfg.dtype], B=p.B, T=p.T, H=p.H,
                 D=p.D, grid="x".join(map(str, p.grid)), prefix=p.prefix, topk=p.topk, cubes=p.cubes, gate=p.gate,
                 repeats=cfg.repeats, **{"pass": "forward + backward" if backward else "forward"})
+    dense_ms = statistics.median(times[DENSE]) if DENSE in times else None
     for name, (err, peak, peak_basis) in measured.items():
-        speedup = None
-        if DENSE in times:
-            speedup = statistics.median(d / t for d, t in zip(times[DENSE], times[name]))
+        # the two medians over the same rounds, as printed side by side
+        speedup = dense_ms / statistics.median(times[name]) if dense_ms is not None else None
         what = "sdpa-fp32" + (f" gradients, {min(GRAD_HEADS, p.H)} heads" if backward else "")
         rows.append(dict(base, backend=name, time_ms=statistics.median(times[name]), speedup=speedup,
                          peak_mib=peak, peak_basis=peak_basis, rel_l2=err,
@@ -233,7 +233,8 @@ LEGEND = [
                 "= fastvideo_kernel.video_sparse_attn on tokens tiled beforehand, its compiled sm_90 kernel / "
                 "its Triton kernel (FASTVIDEO_VSA_TRITON=1)"),
     ("time ms", "median over the timed rounds (each round runs every contender once, order rotated)"),
-    ("vs dense", "dense time / this row's time, median over rounds"),
+    ("vs dense", "the dense row's time ms / this row's time ms (same problem and pass), both medians "
+                 "over the same rounds"),
     ("peak MiB", "extra memory one call needed beyond what was held before it"),
     ("rel. L2", "||x - basis|| / ||basis||: the output (forward), the largest of the gradients' errors "
                 "(forward + backward)"),
