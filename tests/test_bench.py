@@ -21,7 +21,7 @@ def _csv_rows(path):
 
 
 #: the contenders of the runs below that test the command, not the backends: the flex backend
-#: would compile each shape first (tens of seconds on a small CPU); the quick run times them all
+#: would compile each shape first (tens of seconds on a small CPU)
 NO_COMPILE = ("--backends", "dense", "sdpa")
 
 
@@ -43,6 +43,7 @@ def test_quick_writes_csv_markdown_and_plot(quick_run):
         assert next(csv.reader(f)) == bench.COLUMNS
     md = Path(out, "bench.md").read_text()
     assert "| backend |" in md and "two-number model" in md
+    assert "flex" not in {r["backend"] for r in rows} and "- flex: left out by --quick" in md
 
 
 def test_quick_rows_cover_dense_and_portable(quick_run):
@@ -55,6 +56,16 @@ def test_quick_rows_cover_dense_and_portable(quick_run):
         assert {float(r["ratio"]) for r in got} == {0.1, 0.2}
         assert all(r["tail"] == "False" for r in got)
     assert "reference" not in {r["backend"] for r in rows}  # the oracle is the basis, never timed
+
+
+def test_quick_leaves_compiling_flex_out_unless_named():
+    """--quick is a smoke test of seconds: flex, whose first call of each shape compiles (tens of
+    seconds on a small CPU), is left out and the report says so and how to time it."""
+    cfg = bench.resolve(bench.build_parser().parse_args(["--quick", "--device", "cpu"]))
+    assert "flex" not in cfg.backends and "sdpa" in cfg.backends
+    named = bench.resolve(bench.build_parser().parse_args(["--quick", "--device", "cpu", "--backends", "dense", "flex"]))
+    assert named.backends == ["flex"] and not named.skipped
+    assert [line for line in cfg.skipped_lines() if line.startswith("flex: ") and "--backends" in line]
 
 
 def test_quick_numbers_finite_positive_and_accurate(quick_run):

@@ -1,7 +1,7 @@
 """``python -m solattn bench``: time dense SDPA and every sol_attn backend that can run, side by side.
 
     python -m solattn bench                       # best device present, its default problems
-    python -m solattn bench --quick               # tiny problems, a few seconds on a CPU (smoke test)
+    python -m solattn bench --quick               # tiny problems, no flex compile: ~10 s on a CPU (smoke test)
     python -m solattn bench --device cpu --shapes 1,8192,16,128 --ratios 0.1 0.2
     python -m solattn bench --shapes h3 seed --backends dense sdpa triton --out results/h200
 

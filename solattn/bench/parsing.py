@@ -34,6 +34,8 @@ PRESETS["gpu"] = PRESETS["seed"] + PRESETS["sweep"] + PRESETS["h3"]
 
 #: the name of the dense SDPA row
 DENSE = "dense"
+#: the backend ``--quick`` leaves out unless ``--backends`` names it (it compiles each new shape)
+QUICK_LEAVES_OUT = "flex"
 
 
 class VSAProblem(NamedTuple):
@@ -176,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default: $SOLATTN_BENCH_DIR, else ~/solattn-bench, "
                                  "in a subfolder <device>-<date>-<time>)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny problems (preset 'quick', 2 repeats): a few seconds on a CPU, for CI")
+                   help="tiny problems (preset 'quick', 2 repeats), every backend but flex unless "
+                        "--backends names it (flex compiles each new shape first): a smoke test, "
+                        "about 10 s on a 2-core CPU")
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--graphs", action="store_true",
@@ -262,6 +266,13 @@ def resolve(args: argparse.Namespace) -> Config:
         with_dense = DENSE in wanted
         order = [n for n in order if n in wanted]
         peers = [n for n in PEERS if n in wanted]          # named: run, or say why not
+    skipped: Dict[str, List[str]] = {}
+    if args.quick and not args.backends and QUICK_LEAVES_OUT in order:
+        # its first call of each shape compiles (tens of seconds on a small CPU): not a smoke test
+        order.remove(QUICK_LEAVES_OUT)
+        skipped[f"{QUICK_LEAVES_OUT}: left out by --quick, its first call of each shape compiles (tens of "
+                f"seconds on a small CPU); name it in --backends (e.g. --backends dense sdpa {QUICK_LEAVES_OUT}) to time it"] = \
+            ["x".join(map(str, s)) for s in shapes]
     repeats, warmup = _counts(args, on_cpu)
     if args.graphs and device.type != "cuda":
         raise UsageError(f"--graphs received on device {device}; allowed: a CUDA device (CUDA graphs)")
@@ -270,7 +281,7 @@ def resolve(args: argparse.Namespace) -> Config:
                   tails=[False, True] if args.tail else [False], coarse=args.coarse_gate,
                   backends=order, with_dense=with_dense, repeats=repeats, warmup=warmup, out=out,
                   seed=args.seed, plot=not args.no_plot, tau=args.tau, peers=peers,
-                  graphs=args.graphs)
+                  graphs=args.graphs, skipped=skipped)
 
 
 def _counts(args: argparse.Namespace, on_cpu: bool) -> Tuple[int, int]:
