@@ -62,3 +62,26 @@ def test_pypi_install_pattern():
     for good in ('pip install -e .', 'pip install "solattn @ git+https://x/solattn"', 'pip install /path/to/solattn',
                  'pip install -e "/path/to/solattn[comfy]"', 'pip install solattn-0.1.0-py3-none-any.whl'):
         assert not _PYPI_INSTALL.search(good), good
+
+
+def test_readme_head_dims_are_the_backends():
+    """The README's backend table gives each backend's head dims as the code accepts them."""
+    from solattn import dispatch
+    text = (ROOT / "README.md").read_text().split("## Backends and devices", 1)[1]
+    rows = re.findall(r"^\| `(\w+)`[^|]*\|.*\| ([^|]+) \|$", text.split("\n\n## ", 1)[0], re.M)
+    assert {name for name, _ in rows} >= {"sdpa", "triton", "flex", "reference"}, rows
+    for name, cell in rows:
+        dims = dispatch.get_backend(name).head_dims
+        assert cell == ("any" if dims is None else ", ".join(map(str, sorted(dims)))), (name, cell)
+
+
+def test_no_clone_into_a_folder_named_like_the_package():
+    """A checkout in a folder named ``solattn``, run from its parent folder, is imported as an empty
+    namespace package (the parent is on ``sys.path`` first): no doc clones into such a folder."""
+    clones = [(doc.name, line.strip()) for doc in DOCS for line in doc.read_text().splitlines()
+              if re.search(r"\bgit clone\b", line)]
+    assert clones
+    for doc, line in clones:
+        words = re.sub(r"<[^>]*>", "URL", line).split("&&")[0].split("#")[0].split()
+        target = words[words.index("clone") + 2:]            # after `git clone URL`; none: the repo's name
+        assert target and target[0].rstrip("/").replace("\\", "/").split("/")[-1] != "solattn", (doc, line)
