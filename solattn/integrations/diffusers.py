@@ -1,4 +1,6 @@
-"""FastH3 in diffusers: MiniMax-H3's attention through :func:`solattn.video_sparse_attn`.
+"""VSA checkpoints in diffusers: FastH3 (MiniMax-H3) here, FastWan (Wan2.1 / Wan2.2) in
+:mod:`.diffusers_wan`, both through :func:`solattn.video_sparse_attn`; :func:`enable_vsa` picks by
+model and :func:`disable` undoes either.
 
 ``enable_fasth3(transformer, gates)`` turns a loaded
 ``diffusers.MiniMaxH3Transformer3DModel`` into FastH3 (FastVideo's VSA-trained MiniMax-H3), on
@@ -340,14 +342,34 @@ def enable_fasth3(transformer, gates, *, sparsity: float = 0.9, prefix_mode: str
     return state
 
 
+def enable_vsa(transformer, gates, **settings):
+    """Run a VSA-trained checkpoint's attention through solattn, whichever model it is: a
+    ``WanTransformer3DModel`` as FastWan (:func:`.diffusers_wan.enable_fastwan`: ``sparsity``
+    0.8 by default, ``start_percent``, ``end_percent``, ``shift``, ``dense_blocks``), a
+    ``MiniMaxH3Transformer3DModel`` as FastH3 (:func:`enable_fasth3`, which also takes
+    ``prefix_mode``). ``gates``: the checkpoint's ``to_gate_compress`` projections (its
+    transformer folder, safetensors files or a state dict), or None. Undo with :func:`disable`."""
+    module = getattr(transformer, "_orig_mod", transformer)
+    blocks = getattr(module, "blocks", None)
+    if blocks and hasattr(blocks[0], "attn1"):
+        from .diffusers_wan import enable_fastwan
+        return enable_fastwan(transformer, gates, **settings)
+    if getattr(module, "transformer_blocks", None):
+        return enable_fasth3(transformer, gates, **settings)
+    raise ValueError(f"enable_vsa: argument 'transformer' received a {type(module).__name__}; allowed: a diffusers "
+                     f"WanTransformer3DModel (FastWan) or MiniMaxH3Transformer3DModel (FastH3)")
+
+
 def disable(transformer, *, keep_gates: bool = False) -> None:
-    """Undo :func:`enable_fasth3`: the original processors and no hook; the gate projections are
-    removed unless ``keep_gates`` (they are unused by the dense model either way)."""
+    """Undo :func:`enable_vsa` / :func:`enable_fasth3` / ``enable_fastwan``: the original
+    processors and no hook; the gate projections are removed unless ``keep_gates`` (they are
+    unused by the dense model either way)."""
     transformer = getattr(transformer, "_orig_mod", transformer)
     state = getattr(transformer, STATE_ATTR, None)
-    if not isinstance(state, FastH3):
+    if not isinstance(state, FastH3) and type(state).__name__ != "FastWan":
         raise ValueError(f"disable: argument 'transformer' received a {type(transformer).__name__} without "
-                         f"FastH3; allowed: a transformer enable_fasth3 was applied to")
+                         f"VSA enabled; allowed: a transformer enable_vsa (enable_fasth3, enable_fastwan) "
+                         f"was applied to")
     state.hook.remove()
     for attn, processor in state.originals.items():
         attn.set_processor(processor)
@@ -355,4 +377,7 @@ def disable(transformer, *, keep_gates: bool = False) -> None:
         for attn in state.added_gates:
             delattr(attn, diffusers_gates.GATE_ATTR)
     delattr(transformer, STATE_ATTR)
-    state.sparse = None
+    if isinstance(state, FastH3):
+        state.sparse = None
+    else:
+        state.grid = None

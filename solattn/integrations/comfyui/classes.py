@@ -8,17 +8,19 @@ from __future__ import annotations
 
 from .node import apply
 from .settings import DEFAULT_MIN_TOKENS, DISPLAY_NAME, METHODS, NODE_ID, SINK_MODES, VSA_PREFIX_MODES
+from .wan import FROM_MODEL_FILE, NO_GATES
 
 CATEGORY = "model/patch"
 DESCRIPTION = ("Block-sparse attention through solattn on any device (xpu, cpu, mps, cuda). Put it where "
                "ComfyUI's 'Model Sparse Attention' node would go (its inputs have the same names). auto: vsa "
-               "on a FastH3 (MiniMax-H3 with to_gate_compress) checkpoint, sol-attn on any other model. Outside "
+               "on a FastH3 (MiniMax-H3 with to_gate_compress) or FastWan (Wan with gates, see vsa_gates) "
+               "checkpoint, sol-attn on any other model. Outside "
                "start/end_percent, dense_blocks and under min_tokens the attention that was there before runs.")
 TIPS = {
-    "method": ("auto: vsa on FastH3 checkpoints, sol-attn elsewhere (one log line says which). sol-attn: "
+    "method": ("auto: vsa on FastH3 and FastWan checkpoints, sol-attn elsewhere (one log line says which). sol-attn: "
                "training-free adaptive threshold (tau). sla: fixed fraction of key blocks (keep_percent; for "
                "weights trained for it). vsa: FastVideo's video sparse attention with the learned coarse gate "
-               "(keep_percent; MiniMax-H3 only)."),
+               "(keep_percent; MiniMax-H3 and Wan)."),
     "tau": "sol-attn: threshold in score sigmas; higher is sparser.",
     "keep_percent": ("sla / vsa: percent of key blocks (vsa: video cubes) each query block keeps. FastH3 was "
                      "trained at 10."),
@@ -35,10 +37,24 @@ TIPS = {
                           "audio / reference rows exactly. exact_kv_and_rows: also runs the target-audio query "
                           "rows dense. vsa always treats those rows as FastVideo does."),
     "verbose": "Log once per sampling run whether each attention shape ran sparse or why it stayed dense.",
+    "vsa_gates": ("Wan models: where FastWan's to_gate_compress gates come from. from_model_file: the file 'Load "
+                  "Diffusion Model' loaded (convert FastWan with 'python -m solattn.integrations.fastwan "
+                  "to-comfyui', which keeps them). none: no gates. Or a file in models/diffusion_models. auto "
+                  "picks vsa on a Wan model when gates are found."),
 }
 DEFAULTS = dict(tau=1.3, keep_percent=10.0, vsa_prefix="exempt", start_percent=0.2, end_percent=1.0,
                 dense_blocks="", min_tokens=DEFAULT_MIN_TOKENS, extra_tokens=0,
-                sink_conditioning="exact_kv_and_rows", verbose=True)
+                sink_conditioning="exact_kv_and_rows", verbose=True, vsa_gates=FROM_MODEL_FILE)
+
+
+def gate_choices():
+    """The vsa_gates options: the model's own file, none, and the files in models/diffusion_models."""
+    try:
+        import folder_paths
+        files = list(folder_paths.get_filename_list("diffusion_models"))
+    except Exception:   # outside ComfyUI, or its folders unreadable: the two fixed choices
+        files = []
+    return [FROM_MODEL_FILE, NO_GATES] + files
 
 
 def _v3_node():
@@ -67,7 +83,7 @@ def _v3_node():
         def define_schema(cls):
             return io.Schema(
                 node_id=NODE_ID, display_name=DISPLAY_NAME, category=CATEGORY, description=DESCRIPTION,
-                search_aliases=["Block Sparse Attention", "solattn", "VSA", "FastH3"],
+                search_aliases=["Block Sparse Attention", "solattn", "VSA", "FastH3", "FastWan"],
                 inputs=[
                     io.Model.Input("model", tooltip="The model to patch."),
                     io.DynamicCombo.Input("selection", display_name="method", tooltip=TIPS["method"], options=[
@@ -90,6 +106,8 @@ def _v3_node():
                                    default=DEFAULTS["sink_conditioning"], advanced=True, optional=True,
                                    tooltip=TIPS["sink_conditioning"]),
                     io.Boolean.Input("verbose", default=True, advanced=True, optional=True, tooltip=TIPS["verbose"]),
+                    io.Combo.Input("vsa_gates", options=gate_choices(), default=FROM_MODEL_FILE, advanced=True,
+                                   optional=True, tooltip=TIPS["vsa_gates"]),
                 ],
                 outputs=[io.Model.Output(display_name="model", tooltip="The model with solattn sparse attention.")],
             )
@@ -97,14 +115,14 @@ def _v3_node():
         @classmethod
         def execute(cls, model, selection, start_percent, end_percent, dense_blocks="",
                     min_tokens=DEFAULT_MIN_TOKENS, extra_tokens=0, sink_conditioning="exact_kv_and_rows",
-                    verbose=True) -> io.NodeOutput:
+                    verbose=True, vsa_gates=FROM_MODEL_FILE) -> io.NodeOutput:
             # an option's missing or optional input arrives as None: its default then
             nested = {k: DEFAULTS[k] if selection.get(k) is None else selection[k]
                       for k in ("tau", "keep_percent", "vsa_prefix")}
             return io.NodeOutput(apply(model, method=selection["selection"], start_percent=start_percent,
                                        end_percent=end_percent, dense_blocks=dense_blocks, min_tokens=min_tokens,
                                        extra_tokens=extra_tokens, sink_conditioning=sink_conditioning,
-                                       verbose=verbose, **nested))
+                                       verbose=verbose, vsa_gates=vsa_gates, **nested))
 
     return SolAttnModelSparseAttention
 
@@ -138,6 +156,7 @@ class ClassicNode:
                 "sink_conditioning": (list(SINK_MODES), opt("sink_conditioning")),
                 "vsa_prefix": (list(VSA_PREFIX_MODES), opt("vsa_prefix")),
                 "verbose": ("BOOLEAN", opt("verbose")),
+                "vsa_gates": (gate_choices(), opt("vsa_gates")),
             },
         }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import numbers
 
+from . import wan
 from .attention import install_override
 from .h3 import PATCH_KEY, install_block_patches
 from .settings import (DEFAULT_MIN_TOKENS, DISPLAY_NAME, METHODS, NODE_ID, SINK_MODES, VSA_PREFIX_MODES,
@@ -40,14 +41,23 @@ def _has_gate(diffusion_model) -> bool:
     return getattr(diffusion_model.blocks[0].attn, "to_gate_compress", None) is not None
 
 
-def choose_method(method: str, diffusion_model):
+def choose_method(method: str, diffusion_model, wan_gates=None):
     """``(method to run, why)``: ``method`` itself (why None), or for ``auto`` vsa on a MiniMax-H3
     model with ``to_gate_compress`` (a FastH3 checkpoint) whose blocks take the ``attention=``
-    argument, else sol-attn."""
+    argument or on a Wan model with FastWan gates (``wan_gates``, :func:`.wan.resolve_gates`),
+    else sol-attn."""
     if method not in METHODS:
         fail("method", method, f"one of {METHODS}")
     h3_class = _h3_model_class()
     is_h3 = h3_class is not None and isinstance(diffusion_model, h3_class)
+    if not is_h3 and wan.is_wan(diffusion_model):
+        why = None
+        if method == "auto":
+            method, why = (("vsa", f"a Wan model with FastWan to_gate_compress gates (from {wan_gates.source})")
+                           if wan_gates is not None else
+                           ("sol-attn", "a Wan model without FastWan to_gate_compress gates (vsa_gates: the "
+                                        "model file has none, or 'none')"))
+        return method, why
     why = None
     if method == "auto":
         if is_h3 and _has_gate(diffusion_model) and _blocks_take_attention(diffusion_model):
@@ -58,7 +68,7 @@ def choose_method(method: str, diffusion_model):
             method, why = "sol-attn", ("a MiniMax-H3 model without to_gate_compress" if is_h3 else
                                        f"{type(diffusion_model).__name__} is not a MiniMax-H3 model")
     if method == "vsa" and not is_h3:
-        fail("method", method, "'vsa' only on MiniMax-H3 models (FastH3 checkpoints); "
+        fail("method", method, "'vsa' only on MiniMax-H3 (FastH3) and Wan (FastWan) models; "
                                "'auto', 'sol-attn' or 'sla' on this model")
     if method == "vsa" and not _blocks_take_attention(diffusion_model):
         raise RuntimeError(f"{DISPLAY_NAME}: this ComfyUI's MiniMax-H3 blocks take no 'attention' "
@@ -86,10 +96,14 @@ def _install_vsa_at_step(state: SparseAttention, model_options: dict):
 def apply(model, *, method: str = "auto", tau: float = 1.3, keep_percent: float = 10.0,
           start_percent: float = 0.0, end_percent: float = 1.0, dense_blocks="",
           min_tokens: int = DEFAULT_MIN_TOKENS, sink_conditioning: str = "exact_kv_and_rows",
-          vsa_prefix: str = "exempt", extra_tokens: int = 0, verbose: bool = True):
+          vsa_prefix: str = "exempt", extra_tokens: int = 0, verbose: bool = True,
+          vsa_gates=wan.FROM_MODEL_FILE):
     """Return a clone of the ComfyUI ``model`` (a ModelPatcher) with solattn sparse attention.
     ``extra_tokens`` is accepted so that the built-in node's values carry over; solattn routes
-    whole key blocks, so a non-zero value has no effect (one log line says so)."""
+    whole key blocks, so a non-zero value has no effect (one log line says so). ``vsa_gates``
+    (Wan models): where FastWan's gates come from: ``"from_model_file"`` (the file "Load
+    Diffusion Model" loaded, e.g. one ``python -m solattn.integrations.fastwan to-comfyui``
+    wrote), ``"none"``, a file in ``models/diffusion_models`` or a path, or a state dict."""
     check_percent("start_percent", start_percent)
     check_percent("end_percent", end_percent)
     if isinstance(extra_tokens, bool) or not isinstance(extra_tokens, numbers.Integral):
@@ -98,7 +112,9 @@ def apply(model, *, method: str = "auto", tau: float = 1.3, keep_percent: float 
         fail("extra_tokens", extra_tokens, "an int >= 0")
     diffusion_model = model.get_model_object("diffusion_model")
     model_sampling = model.get_model_object("model_sampling")
-    method, why = choose_method(method, diffusion_model)
+    is_wan = wan.is_wan(diffusion_model)
+    wan_gates = wan.resolve_gates(model, diffusion_model, vsa_gates) if is_wan else None
+    method, why = choose_method(method, diffusion_model, wan_gates)
     settings = Settings(method=method, tau=tau, keep_percent=keep_percent, min_tokens=min_tokens,
                         sigma_start=float(model_sampling.percent_to_sigma(start_percent)),
                         sigma_end=float(model_sampling.percent_to_sigma(end_percent)),
@@ -117,7 +133,14 @@ def apply(model, *, method: str = "auto", tau: float = 1.3, keep_percent: float 
     m = model.clone()
     from comfy.patcher_extension import CallbacksMP
     m.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, lambda model_patcher: state.reset())
-    if method == "vsa":
+    if method == "vsa" and is_wan:
+        wan.install_attention_patches(state, m, wan_gates, len(diffusion_model.blocks))
+        if wan_gates is None:
+            log.warning("%s: no FastWan to_gate_compress gates (vsa_gates %r); vsa runs the sparse fine stage "
+                        "without the coarse branch (FastVideo's zero gate)", DISPLAY_NAME, vsa_gates)
+        else:
+            log.info("%s: FastWan gates of %d blocks from %s", DISPLAY_NAME, len(wan_gates.tensors), wan_gates.source)
+    elif method == "vsa":
         dit = dict(m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {}))
         chained = install_block_patches(state, blocks, dit)
         for i in range(len(blocks)):
@@ -133,6 +156,8 @@ def apply(model, *, method: str = "auto", tau: float = 1.3, keep_percent: float 
 
     def prepare_step(model_patcher, timestep, model_options, *args):
         state.new_step()
+        if method == "vsa" and is_wan:
+            return                                   # object patches: nothing a later node can replace
         if method == "vsa":
             _install_vsa_at_step(state, model_options)
         else:
