@@ -5,7 +5,8 @@
 ComfyUI's state is global to a process, so each scenario runs in its own process (the tests in
 ``tests/test_comfyui_host.py`` spawn this script). CONFIG names the ComfyUI tree, a temporary base
 directory and the model-patch nodes to chain between "Load Diffusion Model" and KSampler; the
-script writes a tiny random FastH3-shaped MiniMax-H3 checkpoint, loads the solattn node folder and
+script writes a tiny random FastH3-shaped MiniMax-H3 checkpoint (or, with ``"model": "fastwan"``, a
+tiny FastWan in FastWan's own layout converted to ComfyUI's Wan format), loads the solattn node folder and
 ``tests/comfyui_host_nodes`` through ComfyUI's own custom-node loader, validates and executes the
 prompt with ``execution.PromptExecutor`` (which runs it under ``torch.inference_mode()``), and
 writes a JSON result: success, error, log lines, the sampled latent's finiteness and, when asked,
@@ -140,6 +141,97 @@ def load_node_folders(nodes, base, folders):
             os.symlink(folder, link, target_is_directory=True)
         if not asyncio.run(nodes.load_custom_node(link)):
             raise RuntimeError(f"ComfyUI could not load the custom node folder {folder}")
+
+
+def write_fastwan_checkpoint(base, cfg):
+    """A tiny FastWan transformer in FastWan's own key layout (tests/fastwan_tiny.py), converted to
+    ComfyUI's Wan format by solattn's converter into models/diffusion_models; returns its name.
+    ``cfg["fastwan_gates"]``: "keep" (default), "drop" (a converted file without gates), or
+    "ltx" (block 1's gate weight replaced by a per-head (heads, head_dim) tensor)."""
+    sys.path.insert(0, HERE)
+    from fastwan_tiny import SHAPE, fastwan_state_dict, write_fastwan
+    from solattn.integrations import fastwan
+    sd = fastwan_state_dict(**SHAPE)
+    mode = cfg.get("fastwan_gates", "keep")
+    if mode == "drop":
+        sd = {k: v for k, v in sd.items() if "to_gate_compress" not in k}
+    elif mode == "ltx":
+        sd["blocks.1.to_gate_compress.weight"] = torch.randn(SHAPE["heads"], SHAPE["head_dim"])
+    folder = write_fastwan(os.path.join(base, "FastWan-tiny-Diffusers", "transformer"), state_dict=sd)
+    name = "fastwan_tiny_comfy.safetensors"
+    fastwan.convert_to_comfyui(folder, os.path.join(base, "models", "diffusion_models", name))
+    return name
+
+
+def build_wan_prompt(cfg, ckpt_name, latent_path):
+    """UNETLoader -> cfg['patches'] -> KSampler on an empty Wan latent (16 channels) -> save."""
+    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt_name, "weight_dtype": "default"}}}
+    model = ["1", 0]
+    for i, node in enumerate(cfg.get("patches", [])):
+        nid = str(10 + i)
+        prompt[nid] = {"class_type": node["class_type"], "inputs": {"model": model, **node["inputs"]}}
+        model = [nid, 0]
+    prompt["2"] = {"class_type": "SolAttnTestZeroConditioning", "inputs": {"tokens": 8, "dim": 4096}}
+    prompt["3"] = {"class_type": "EmptyHunyuanLatentVideo",
+                   "inputs": {"width": cfg.get("width", 160), "height": cfg.get("height", 96),
+                              "length": cfg.get("length", 17), "batch_size": 1}}
+    prompt["4"] = {"class_type": "KSampler",
+                   "inputs": {"model": model, "seed": 1, "steps": cfg.get("steps", 2), "cfg": 1.0,
+                              "sampler_name": "euler", "scheduler": "simple", "positive": ["2", 0],
+                              "negative": ["2", 0], "latent_image": ["3", 0], "denoise": 1.0}}
+    prompt["5"] = {"class_type": "SolAttnTestSaveLatent", "inputs": {"samples": ["4", 0], "path": latent_path}}
+    return prompt
+
+
+class WanAttentionCapture:
+    """Records each Wan self-attention call of the real ComfyUI code: its input x (what the gate
+    reads), the roped q, k, v and the output of the attention call, by wrapping
+    ``WanSelfAttention.forward`` and the Wan module's ``optimized_attention``."""
+
+    def __init__(self):
+        import comfy.ldm.wan.model as wan
+        self.calls = []
+        self._x = None
+        forward, optimized, capture = wan.WanSelfAttention.forward, wan.optimized_attention, self
+
+        def wrapped_forward(module, x, freqs, transformer_options={}):
+            capture._x = x.detach().clone()
+            try:
+                return forward(module, x, freqs, transformer_options=transformer_options)
+            finally:
+                capture._x = None
+
+        def attention(q, k, v, heads, **kwargs):
+            out = optimized(q, k, v, heads, **kwargs)
+            if capture._x is not None and q.shape == k.shape:
+                opts = kwargs.get("transformer_options") or {}
+                capture.calls.append({"block": opts.get("block_index"), "x": capture._x, "heads": heads,
+                                      "grid": [int(n) for n in opts.get("grid_sizes")],
+                                      "sigma": float(opts["sigmas"].reshape(-1)[0]) if "sigmas" in opts else None,
+                                      "qkv": [t.detach().clone() for t in (q, k, v)], "out": out.detach().clone()})
+            return out
+
+        wan.WanSelfAttention.forward = wrapped_forward
+        wan.optimized_attention = attention
+
+
+def fastwan_reference(call, keep_percent):
+    """One captured Wan self-attention call against FastVideo's VSA computed in float64 from the
+    call's q, k, v and the gate of the FastWan file's own weights: errors vs VSA, vs VSA with the
+    gate zeroed, vs dense attention."""
+    from fastwan_tiny import SHAPE, dense_reference, fastwan_state_dict, rel, vsa_reference
+    sd = fastwan_state_dict(**SHAPE)
+    heads, i = call["heads"], call["block"]
+    q, k, v = (t.unflatten(-1, (heads, -1)) for t in call["qkv"])
+    x = call["x"].double()
+    gate = (x @ sd[f"blocks.{i}.to_gate_compress.weight"].double().T
+            + sd[f"blocks.{i}.to_gate_compress.bias"].double()).unflatten(-1, (heads, -1))
+    grid, sparsity = tuple(call["grid"]), (100.0 - keep_percent) / 100.0
+    out = call["out"].unflatten(-1, (heads, -1))
+    return {"block": i, "sigma": call["sigma"], "grid": list(grid), "dtype": str(q.dtype), "tokens": q.shape[1],
+            "rel_err_vs_definition": rel(out, vsa_reference(q, k, v, gate, grid, sparsity)),
+            "rel_diff_vs_zero_gate": rel(out, vsa_reference(q, k, v, None, grid, sparsity)),
+            "rel_diff_vs_dense": rel(out, dense_reference(q, k, v))}
 
 
 def build_prompt(cfg, ckpt_name, latent_path):
@@ -309,7 +401,8 @@ def benchmark(cfg, nodes, execution, ckpt, latent_path):
     rows = {name: [] for name in bench["variants"]}
     for repeat in range(bench.get("repeats", 2) + 1):           # the first round warms up, not kept
         for name, patches in bench["variants"].items():
-            prompt = build_prompt({**cfg, "patches": patches}, ckpt, latent_path)
+            prompt = (build_wan_prompt if cfg.get("model") == "fastwan" else build_prompt)(
+                {**cfg, "patches": patches}, ckpt, latent_path)
             prompt["4"]["inputs"]["seed"] = 100 + repeat         # a new seed: the executor runs it again
             valid = asyncio.run(execution.validate_prompt(name, prompt, None))
             if not valid[0]:
@@ -319,12 +412,14 @@ def benchmark(cfg, nodes, execution, ckpt, latent_path):
                 raise RuntimeError(f"{name}: {executor.status_messages[-1]}")
             if repeat:
                 rows[name].append(timings[-1])
+    rows = {name: {"seconds": [t for t, _ in r], "extra_rss_bytes": [m for _, m in r]} for name, r in rows.items()}
+    if cfg.get("model") == "fastwan":
+        grid = ((cfg.get("length", 17) - 1) // 4 + 1, cfg.get("height", 96) // 16, cfg.get("width", 160) // 16)
+        return {"rows": rows, "video_grid": grid, "tokens": math.prod(grid)}
     from comfy_extras.nodes_minimax_h3 import temporal_shape
     _, latent_t, audio_t = temporal_shape(cfg.get("length", 22))
     grid = (latent_t, cfg.get("height", 256) // 32, cfg.get("width", 512) // 32)
-    return {"rows": {name: {"seconds": [t for t, _ in r], "extra_rss_bytes": [m for _, m in r]}
-                     for name, r in rows.items()},
-            "video_grid": grid, "tokens": cfg.get("text_tokens", 77) + 2 * audio_t + math.prod(grid)}
+    return {"rows": rows, "video_grid": grid, "tokens": cfg.get("text_tokens", 77) + 2 * audio_t + math.prod(grid)}
 
 
 def main(config_path):
@@ -339,14 +434,19 @@ def main(config_path):
     if cfg.get("inspect"):
         return inspect_node_folder(nodes), lines, cfg
 
-    ckpt = "fasth3_tiny.safetensors"
-    write_checkpoint(os.path.join(base, "models", "diffusion_models", ckpt), **cfg.get("checkpoint", {}))
-    capture = AttentionCapture() if cfg.get("capture") else None
+    wan = cfg.get("model") == "fastwan"
+    if wan:
+        ckpt = write_fastwan_checkpoint(base, cfg)
+        capture = WanAttentionCapture() if cfg.get("capture") else None
+    else:
+        ckpt = "fasth3_tiny.safetensors"
+        write_checkpoint(os.path.join(base, "models", "diffusion_models", ckpt), **cfg.get("checkpoint", {}))
+        capture = AttentionCapture() if cfg.get("capture") else None
 
     latent_path = os.path.join(base, "latent.pt")
     if cfg.get("benchmark"):
         return benchmark(cfg, nodes, execution, ckpt, latent_path), lines, cfg
-    prompt = build_prompt(cfg, ckpt, latent_path)
+    prompt = (build_wan_prompt if wan else build_prompt)(cfg, ckpt, latent_path)
     result = {"node_types": sorted(n["class_type"] for n in prompt.values())}
     valid = asyncio.run(execution.validate_prompt("p1", prompt, None))
     result["valid"] = bool(valid[0])
@@ -371,7 +471,10 @@ def main(config_path):
         result["latent_norm"] = [float(t.double().norm()) for t in tensors]
     counted = nodes.NODE_CLASS_MAPPINGS.get("SolAttnTestPreferredAttention")
     result["preferred_attention_calls"] = getattr(counted, "calls", None)
-    if capture is not None:
+    if capture is not None and wan:
+        want = cfg["capture"]
+        result["captures"] = [fastwan_reference(call, want.get("keep_percent", 25.0)) for call in capture.calls]
+    elif capture is not None:
         want = cfg["capture"]
         compared = []
         for call in capture.calls:
