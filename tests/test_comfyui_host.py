@@ -195,7 +195,11 @@ def test_node_folder_registry_entry_and_example_workflow(tmp_path):
         "name": "solattn-sparse-attention", "version": solattn.__version__, "license": "Apache-2.0",
         "description": result["project"]["description"]}
     assert result["comfy"] == {"publisher_id": "solattn", "display_name": "Model Sparse Attention (solattn)"}
-    assert list(result["workflows"]) == ["fasth3_text_to_video_solattn.json"]
+    assert list(result["workflows"]) == ["fasth3_text_to_video_solattn.json", "fastwan2.1_t2v_1.3b_solattn.json"]
+    fastwan = result["workflows"]["fastwan2.1_t2v_1.3b_solattn.json"]
+    assert fastwan["problems"] == []
+    assert {NODE, "UNETLoader", "ModelSamplingSD3", "CLIPLoader", "EmptyHunyuanLatentVideo",
+            "KSampler"} <= set(fastwan["node_types"]) and BUILTIN not in fastwan["node_types"]
     workflow = result["workflows"]["fasth3_text_to_video_solattn.json"]
     assert workflow["problems"] == []
     assert NODE in workflow["node_types"] and BUILTIN not in workflow["node_types"]
@@ -204,3 +208,15 @@ def test_node_folder_registry_entry_and_example_workflow(tmp_path):
                            "fasth3_text_to_video_solattn.json")) as f:
         ours = [n for n in json.load(f)["nodes"] if n["type"] == NODE]
     assert [n["widgets_values"][:2] for n in ours] == [["vsa", 10.0]]     # method vsa, FastH3's keep 10 %
+    with open(os.path.join(ROOT, "integrations", "comfyui", "solattn_sparse_attention", "example_workflows",
+                           "fastwan2.1_t2v_1.3b_solattn.json")) as f:
+        workflow = json.load(f)
+    ours = [n for n in workflow["nodes"] if n["type"] == NODE]
+    # auto (vsa on the gated Wan), keep 20 % (FastWan2.1-1.3B's sparsity 0.8), the gates of the loaded file
+    assert [(n["widgets_values"][0], n["widgets_values"][2], n["widgets_values"][-1]) for n in ours] == [
+        ("auto", 20.0, "from_model_file")]
+    # placed as a user places it: the loader's model through ModelSamplingSD3, the node, into KSampler
+    by_link = {lid: (a, b) for lid, a, _, b, _, _ in workflow["links"]}
+    types = {n["id"]: n["type"] for n in workflow["nodes"]}
+    chain = sorted((types[a], types[b]) for a, b in by_link.values() if NODE in (types[a], types[b]))
+    assert chain == [("ModelSamplingSD3", NODE), (NODE, "KSampler")]

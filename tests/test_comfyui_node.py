@@ -235,7 +235,8 @@ def test_classic_node_surface():
     assert node.NODE_DISPLAY_NAME_MAPPINGS[node.NODE_ID] == "Model Sparse Attention (solattn)"
     assert set(spec["required"]) | set(spec["optional"]) == {
         "model", "method", "tau", "keep_percent", "start_percent", "end_percent", "dense_blocks",
-        "min_tokens", "extra_tokens", "sink_conditioning", "vsa_prefix", "verbose"}
+        "min_tokens", "extra_tokens", "sink_conditioning", "vsa_prefix", "verbose", "vsa_gates"}
+    assert spec["optional"]["vsa_gates"][0][:2] == ["from_model_file", "none"]
 
 
 def test_parse_block_list():
