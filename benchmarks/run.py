@@ -54,6 +54,10 @@ BENCHMARKS: Dict[str, Tuple[str, List[str], str]] = {
     "coarse": ("the triton backward's coarse-branch block gradients: two Triton kernels against the torch "
                "products, GPU and host time, error against float64",
                [sys.executable, os.path.join(HERE, "bench_coarse_grad.py"), "--out", "{out}"], "bench_coarse_grad.md"),
+    "first_call": ("a CPU's first call in a fresh process: the automatic backend, then after solattn.warm_up, "
+                   "against dense SDPA",
+                   [sys.executable, os.path.join(HERE, "bench_first_call.py"), "--out",
+                    os.path.join("{out}", "bench_first_call.md")], "bench_first_call.md"),
     "distributed": ("solattn.distributed (sequence parallel over P GPUs) against one GPU",
                     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "{nproc}",
                      os.path.join(HERE, "bench_distributed.py"), "--out",
@@ -78,7 +82,8 @@ def revision() -> str:
 
 
 def device_folder(nproc: int = 1) -> str:
-    """``cpu``, or the GPU model in lower case without the vendor (``NVIDIA H200`` -> ``h200``)."""
+    """``cpu`` (``cpu-amx`` on a CPU with AMX), or the GPU model in lower case without the vendor
+    (``NVIDIA H200`` -> ``h200``)."""
     import torch
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
@@ -87,7 +92,9 @@ def device_folder(nproc: int = 1) -> str:
     elif torch.backends.mps.is_available():
         name = "mps"
     else:
-        return "cpu"
+        sys.path.insert(0, ROOT)
+        from solattn.backends.flex import amx_usable
+        return "cpu-amx" if amx_usable() else "cpu"
     words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "intel", "r", "tm")]
     base = "-".join(words[-2:] if len(words) > 2 else words) or "gpu"
     return base + (f"x{nproc}" if nproc > 1 else "")
