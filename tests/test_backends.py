@@ -268,6 +268,26 @@ def test_sdpa_gradients_match_reference(device, kw):
 
 
 @pytest.mark.parametrize("device", SDPA_DEVICES)
+def test_sdpa_tail_gradients_match_reference_in_fp32(device):
+    """fp32 gradients through the pooled tail equal the reference's to 1e-5, with query blocks
+    whose tail is one key block (its total weight is then exactly 1, on the bound of the empty
+    tail's guard), blocks whose tail has several and a block whose tail is empty."""
+    B, T, H, D = 1, 3 * BLOCK + 8, 1, 16
+    q, k, v = make_qkv(B, T, H, D, device=device, seed=2)
+    n = math.ceil(T / BLOCK)
+    tail_blocks = n - solattn.plan(q, k, v, topk_ratio=0.25, backend="sdpa").kv_num_blocks
+    assert all((tail_blocks == c).any() for c in (0, 1, 2)), tail_blocks
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(device)
+    grads = {}
+    for backend in ("sdpa", "reference"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        (solattn.sol_attn(*leaves, topk_ratio=0.25, tail=True, backend=backend) * w).sum().backward()
+        grads[backend] = [x.grad for x in leaves]
+    for name, a, b in zip("qkv", grads["sdpa"], grads["reference"]):
+        assert rel_l2(a, b) <= 1e-5, (name, rel_l2(a, b))
+
+
+@pytest.mark.parametrize("device", SDPA_DEVICES)
 def test_sdpa_writes_every_output_element(device, monkeypatch):
     from solattn.backends import sdpa as sdpamod
     monkeypatch.setattr(sdpamod.forward, "new_output",
