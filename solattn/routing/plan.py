@@ -255,7 +255,11 @@ def tail_rows(qm: torch.Tensor, kmc: torch.Tensor, vm: torch.Tensor, logL: torch
     w = torch.exp(logw - mx)
     total = w.sum(dim=-1, keepdim=True)
     lse = (torch.log(total) + mx).squeeze(-1)                             # -inf for an empty tail
-    return lse, (w @ vm) / total.clamp_min(1.0)                       # value 0 for an empty tail
+    # An empty tail (total 0) divides by 1 (value 0). A select, not total.clamp_min(1.0): a tail
+    # of one block has total exactly 1, on the clamp's bound, where torch defines no gradient
+    # (torch <= 2.13 passed it, 2.14 gives 0 there and so lost the tail value's gradient in q, k).
+    divisor = torch.where(total > 0, total, torch.ones((), dtype=total.dtype, device=total.device))
+    return lse, (w @ vm) / divisor                                    # value 0 for an empty tail
 
 
 def indices_from_mask(exact: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
