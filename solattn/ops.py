@@ -9,6 +9,7 @@ without gradients through the active :func:`solattn.graphs.cuda_graphs` cache wh
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence
 
 import torch
@@ -66,10 +67,13 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
         coarse_gate: tensor of q's shape; adds ``gate * softmax(qm km^T) vm`` per block.
         token_aug: accepted for comfy-kitchen compatibility (0, 64, 128, 192 or 256); no effect.
         backend: force a backend by name (see :func:`solattn.list_backends`); keyword only.
-        plan: the routing plan to run, from :func:`solattn.plan` with these tensors' shapes and
-            branches (checked; a plan of another call is refused), instead of the one the call
-            would build; keyword only. It is a constant of the call (no gradient flows through
-            its terms) and runs on a backend that consumes plans.
+        plan: a selection to hold, from :func:`solattn.plan` on tensors of this batch, length,
+            head count and device (checked; another is refused), instead of the one the call
+            would route to; keyword only. Only its exact key blocks are taken: the tail, coarse
+            and centring terms come from this call's q, k, v and gate, so the result is the
+            definition with that selection held, whatever values built the plan. It is a
+            constant of the call (the selection has no gradient; the call's own terms do) and
+            runs on a backend that consumes plans.
 
     Returns:
         ``(B, T, H, D)`` contiguous tensor in v's dtype.
@@ -79,8 +83,7 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
     if backend is not None:
         dispatch.get_backend(backend)
     given = pipeline.plan_operands(None if plan is None else check_plan(
-        "sol_attn", plan, problem.B, problem.H, problem.T, problem.D, problem.device, problem.tail,
-        coarse_gate is not None))
+        "sol_attn", plan, problem.B, problem.H, problem.T, problem.device))
     want_lse = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, coarse_gate, key_bias))
     args = (q, k, v, float(tau), None if scale is None else float(scale), _as_list(sink_blocks),
@@ -105,11 +108,15 @@ def plan(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[floa
          key_bias: Optional[Tensor] = None, topk_ratio: float = 0.0, tail: bool = True,
          block_len: Optional[Tensor] = None, coarse_gate: Optional[Tensor] = None,
          token_aug: int = 0, *, backend: Optional[str] = None) -> Plan:
-    """The routing plan :func:`sol_attn` builds for these arguments (FlashInfer's plan/run split):
-    the selection, the pooled tail and the coarse term, built once. Pass it back as
-    ``sol_attn(..., plan=p)`` to run calls on it without routing again, or convert it with
-    ``p.to_block_mask()`` for FlexAttention. The same plan as a call without gradients builds on
-    the backend that would run it (``backend``: as for :func:`sol_attn`); built without autograd.
+    """The selection :func:`sol_attn` routes to for these arguments (FlashInfer's plan/run split):
+    per (batch, head, query block), the key blocks attended exactly (a
+    :class:`solattn.routing.Plan`: lists, counts, block lengths; no value of q, k or v). Route
+    once, run many: ``sol_attn(q2, k2, v2, ..., plan=p)`` holds this selection and computes
+    everything else (tail, coarse, centring) from its own tensors, e.g. across layers that share
+    a layout or across denoising steps that reuse a mask. Convert it with ``p.to_block_mask()``
+    for FlexAttention. The selection of a call without gradients on the backend that would run it
+    (``backend``: as for :func:`sol_attn`); built without autograd. ``tail`` and ``coarse_gate``
+    do not change the selection: a plan serves calls with or without them.
 
         p = solattn.plan(q, k, v, topk_ratio=0.1)
         out = solattn.sol_attn(q, k, v, topk_ratio=0.1, plan=p)   # == sol_attn(q, k, v, topk_ratio=0.1)
@@ -118,4 +125,6 @@ def plan(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[floa
                        coarse_gate, token_aug)
     with torch.no_grad():
         chosen = dispatch.choose(problem, backend, plan_only=True)
-        return build_plan(problem, fused=getattr(chosen, "fused_plan", False))
+        # the selection alone: no tail or coarse terms to compute on the way
+        problem = dataclasses.replace(problem, tail=False, coarse_gate=None)
+        return build_plan(problem, fused=getattr(chosen, "fused_plan", False)).selection()

@@ -33,7 +33,7 @@ from .backends.base import Backend, Declined
 from .backward import (PLANS, backward_buffers, fake_fused, fake_grads, fused_grads, fused_plan_allowed,
                        grads_as_outputs, grads_from_outputs, own_backward, recompute_grads, run_for_backward)
 from .modes import autograd_dispatch, forward_settings, traced
-from .routing import Plan, build_plan, build_vsa_plan
+from .routing import Plan, build_plan, build_vsa_plan, plan_with_values
 from .routing.fused import fused_plan_usable
 from .validation import BLOCK, Problem, validate
 
@@ -58,22 +58,23 @@ class Call(NamedTuple):
     prefix_mode: str
 
 
-#: the op's arguments that carry a caller's plan: its tensor fields, None without a plan
+#: the op's arguments that carry a caller's plan: its selection's tensor fields, None without a plan
 PLAN_OPERANDS = len(Plan.TENSOR_FIELDS)
 
 
 def plan_operands(plan: Optional[Plan]) -> Tuple[Optional[Tensor], ...]:
-    """A caller's plan as the op's last :data:`PLAN_OPERANDS` arguments (its
-    :meth:`~solattn.routing.Plan.tensors`; one optional tensor each, so that autograd, vmap and
-    tracing handle them like the op's other optional inputs); all None for none."""
+    """A caller's plan as the op's last :data:`PLAN_OPERANDS` arguments: its selection's
+    :meth:`~solattn.routing.Plan.tensors` (one optional tensor each, so that autograd, vmap and
+    tracing handle them like the op's other optional inputs; no value term of the call that built
+    it travels); all None for none."""
     return (None,) * PLAN_OPERANDS if plan is None else tuple(plan.tensors())
 
 
 class Route:
     """``sol_attn``'s route: the caller's token layout and Sol-Attn's selection, or the caller's
-    plan (``given``: :func:`plan_operands` of a plan checked by the front door; empty: none),
-    which the route then runs as a constant: only backends that consume plans, no gradient
-    through its terms."""
+    (``given``: :func:`plan_operands` of a plan checked by the front door; empty: none), which
+    the route then holds (a constant: only backends that consume plans) while the call computes
+    its tail, coarse and centring terms from its own tensors (gradients flow through them)."""
 
     def __init__(self, call: Call, given: Sequence[Optional[Tensor]] = ()):
         self.call = call
@@ -131,10 +132,11 @@ class Route:
         return dispatch.choose(problem, requested, plan_only=bool(self.given))
 
     def plan(self, problem: Problem, fused: bool = False, extras: FrozenSet[str] = frozenset()):
-        """The routing plan of ``problem``: the caller's, else the selection rule's (``extras``:
-        what a fused plan also makes for the backend, ``Backend.plan_extras``)."""
-        if self.given:           # plan_operands back to a plan, detached: a constant of the call
-            return Plan.from_tensors([None if t is None else t.detach() for t in self.given], problem.T)
+        """The routing plan of ``problem``: the caller's selection with ``problem``'s own terms,
+        else the selection rule's (``extras``: what a fused plan also makes for the backend,
+        ``Backend.plan_extras``)."""
+        if self.given:           # plan_operands back to a selection, detached: a constant of the call
+            return plan_with_values(problem, Plan.from_tensors([t.detach() for t in self.given], problem.T))
         return self.build(problem, fused, extras)
 
     def build(self, problem: Problem, fused: bool = False, extras: FrozenSet[str] = frozenset()):
@@ -197,13 +199,14 @@ class VideoRoute(Route):
     def prepare(self, q, k, v, gate, key_bias, block_len, requested, want_lse):
         """No tiled copies where the chosen backend reads the layout's row table
         (``Backend.row_table``): a problem with ``rows``, the caller's tensors and ``block_len``,
-        when the plan needs no tiled copy either: the caller's, or the fused plan, which reads the
-        table too (:func:`solattn.backward.fused_plan_allowed`). The forward's ``lse`` and
-        ``resid`` are in the tiled rows."""
+        when the plan needs no tiled copy either: the fused plan, which reads the table too
+        (:func:`solattn.backward.fused_plan_allowed`). A caller's selection takes tiled copies:
+        the call's block means are summed from them (:func:`solattn.routing.plan_with_values`).
+        The forward's ``lse`` and ``resid`` are in the tiled rows."""
         problem = self.row_problem(q, k, v, gate)
         chosen = self.choose(problem, requested)
-        if chosen.row_table and (self.given or (fused_plan_allowed(chosen, problem, want_lse)
-                                                and fused_plan_usable(problem))):
+        if chosen.row_table and not self.given and fused_plan_allowed(chosen, problem, want_lse) \
+                and fused_plan_usable(problem):
             return problem, chosen
         return super().prepare(q, k, v, gate, key_bias, block_len, requested, want_lse)
 
@@ -328,14 +331,12 @@ def sol_attn_op(q: Tensor, k: Tensor, v: Tensor, tau: float, scale: Optional[flo
                 topk_ratio: float, tail: bool, block_len: Optional[Tensor], coarse_gate: Optional[Tensor],
                 token_aug: int, backend: str, want_lse: bool, grid: Optional[List[int]], k_vid: int,
                 segments: List[int], prefix_mode: str, plan_kv_num_blocks: Optional[Tensor],
-                plan_kv_indices: Optional[Tensor], plan_block_len: Optional[Tensor], plan_key_mean: Optional[Tensor],
-                plan_tail_lse: Optional[Tensor], plan_tail_value: Optional[Tensor], plan_coarse: Optional[Tensor],
+                plan_kv_indices: Optional[Tensor], plan_block_len: Optional[Tensor],
                 plan_touches_dead: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """See :func:`forward`; ``plan_*``: :func:`plan_operands`."""
     return forward(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate,
                    token_aug, backend, want_lse, grid, k_vid, segments, prefix_mode, plan_kv_num_blocks,
-                   plan_kv_indices, plan_block_len, plan_key_mean, plan_tail_lse, plan_tail_value, plan_coarse,
-                   plan_touches_dead)
+                   plan_kv_indices, plan_block_len, plan_touches_dead)
 
 
 @sol_attn_op.register_fake
@@ -422,8 +423,6 @@ def sol_attn_backward_op(q: Tensor, k: Tensor, v: Tensor, key_bias: Optional[Ten
                          grid: Optional[List[int]], k_vid: int, segments: List[int], prefix_mode: str,
                          backend: str, bias_grad: bool, gate_grad: bool, plan_kv_num_blocks: Optional[Tensor],
                          plan_kv_indices: Optional[Tensor], plan_block_len: Optional[Tensor],
-                         plan_key_mean: Optional[Tensor], plan_tail_lse: Optional[Tensor],
-                         plan_tail_value: Optional[Tensor], plan_coarse: Optional[Tensor],
                          plan_touches_dead: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward of ``solattn::sol_attn`` as one op, for a traced backward (compiled training,
     ``fullgraph=True`` included): :func:`_grads`, absent gradients as ``(0,)`` tensors."""
@@ -431,7 +430,6 @@ def sol_attn_backward_op(q: Tensor, k: Tensor, v: Tensor, key_bias: Optional[Ten
         grads = _grads(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_out, tau, scale,
                        sink_blocks, sink_q, topk_ratio, tail, token_aug, grid, k_vid, segments, prefix_mode,
                        backend, bias_grad, gate_grad, (plan_kv_num_blocks, plan_kv_indices, plan_block_len,
-                                                       plan_key_mean, plan_tail_lse, plan_tail_value, plan_coarse,
                                                        plan_touches_dead))
     return grads_as_outputs(grads, _grad_like(q, k, v, key_bias, coarse_gate, bias_grad, gate_grad),
                             (q, k, v, key_bias, block_len, coarse_gate, out, grad_out))
@@ -455,7 +453,7 @@ def op_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
         gq, gk, gv, gg, gb = grads_from_outputs(sol_attn_backward_op(*saved, *given))
     else:
         gq, gk, gv, gg, gb = _grads(*saved, given, settings=ctx.settings, plan=ctx.plan)
-    # the caller's plan is a constant of the call: no gradient
+    # the caller's selection is a constant of the call: no gradient
     return (gq, gk, gv, None, None, None, None, gb, None, None, None, gg, None, None, None, None, None, None,
             None, *([None] * PLAN_OPERANDS))
 

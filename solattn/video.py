@@ -56,9 +56,11 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
         prefix_mode: ``"exempt"`` (default): every prefix key tile is kept on top of the ``k_vid``
             best video tiles; ``"compete"``: the ``min(k_vid + n_prefix_tiles, n)`` best tiles of
             the whole row.
-        plan: the routing plan to run, from :func:`video_plan` with these shapes and a gate exactly
-            when this call has one (checked), instead of the one the call would build. It is a
-            constant of the call (no gradient flows through its coarse term).
+        plan: a selection to hold, from :func:`video_plan` on tensors of this batch, layout
+            (grid and prefix), head count and device (checked), instead of the one the call would
+            route to. Only its kept tiles are taken: the coarse term comes from this call's q, k,
+            v and gate (with or without a gate, whatever the plan was built with). The selection
+            is a constant of the call (no gradient); the call's own terms have gradients.
 
     Selection ranks ``S = scale * qm km^T`` (fp32 means over live rows, uncentred) per query
     tile; ties at the boundary are all kept. Prefix query tiles attend every tile; with
@@ -75,7 +77,7 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
                                            prefix_mode)
     if plan is not None:
         B, _, H, D = q.shape
-        check_plan(fn, plan, B, H, tiling.tiled_rows(grid, segments), D, q.device, False, gate is not None)
+        plan = check_plan(fn, plan, B, H, tiling.tiled_rows(grid, segments), q.device)
     given = pipeline.plan_operands(plan)
     want_lse = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, gate))
@@ -102,9 +104,11 @@ def video_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,
                gate: Union[torch.Tensor, float, None] = None, scale: Optional[float] = None,
                backend: Optional[str] = None, prefix_len: Union[int, Sequence[int]] = 0,
                prefix_mode: str = "exempt") -> Plan:
-    """The routing plan :func:`video_sparse_attn` builds for these arguments, in its tiled layout
-    (``seq_len``: the tiled rows): VSA's selection and, with a gate, the coarse term. Pass it back
-    as ``video_sparse_attn(..., plan=p)``; built without autograd (see :func:`solattn.plan`)."""
+    """The selection :func:`video_sparse_attn` routes to for these arguments, in its tiled layout
+    (``seq_len``: the tiled rows): VSA's kept tiles, no value of q, k or v. Pass it back as
+    ``video_sparse_attn(..., plan=p)`` on other tensors of this layout (another layer, another
+    denoising step): they run with this selection held. Built without autograd (see
+    :func:`solattn.plan`); the gate does not change the selection."""
     fn = "video_plan"
     grid, segments, k_vid, gate = _checked(fn, q, k, v, grid, sparsity, topk, gate, scale, backend, prefix_len,
                                            prefix_mode)
@@ -112,8 +116,8 @@ def video_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,
                          int(k_vid), list(segments), prefix_mode)
     route = pipeline.VideoRoute(call, q.device)
     with torch.no_grad():        # the backend's problem: tiled copies, or the caller's tensors and the row table
-        problem, chosen = route.prepare(q, k, v, gate, None, None, route.requested(backend or None), False)
-        return route.build(problem, fused=getattr(chosen, "fused_plan", False))
+        problem, chosen = route.prepare(q, k, v, None, None, None, route.requested(backend or None), False)
+        return route.build(problem, fused=getattr(chosen, "fused_plan", False)).selection()
 
 
 def _checked(fn: str, q, k, v, grid, sparsity, topk, gate, scale, backend, prefix_len, prefix_mode):

@@ -22,7 +22,7 @@ import torch
 
 import solattn
 import solattn.backends.flex as flex
-from solattn import BLOCK, dispatch
+from solattn import BLOCK, dispatch, routing
 from solattn.backends.flex import kernel
 from solattn.testing import live_rows, make_qkv, rel_l2, tolerance
 from solattn.validation import validate
@@ -109,7 +109,7 @@ def test_tail_logit_in_appended_dims_keeps_bf16_precision_under_a_key_offset(fre
         want = solattn.sol_attn(q.float(), k.float(), v.float(), backend="reference", **kw)
         got = solattn.sol_attn(q, k, v, backend="flex", **kw)
         ours = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
-        assert kernel.call_key(validate(q, k, v, **kw), solattn.plan(q, k, v, backend="sdpa", **kw)).tail_dims
+        assert kernel.call_key(validate(q, k, v, **kw), routing.build_plan(validate(q, k, v, **kw))).tail_dims
         assert not torch.isnan(got).any()
         assert rel_l2(got.float(), want) <= 1.25 * rel_l2(ours.float(), want) + 1e-4, kw
 
@@ -121,7 +121,7 @@ def test_tail_logit_in_appended_dims_survives_fp16_range(fresh):
     q, k, v = _inputs(torch.float32, seed=3, B=1)
     q, k, v = (q * 150).half(), (k * 150).half(), v.half()
     for kw in (dict(tau=1.0), dict(topk_ratio=0.4)):
-        plan = solattn.plan(q, k, v, backend="sdpa", **kw)
+        plan = routing.build_plan(validate(q, k, v, **kw))
         assert float(plan.tail_lse.abs().max()) / validate(q, k, v, **kw).scale > 65504
         want = solattn.sol_attn(q.float(), k.float(), v.float(), backend="reference", **kw)
         got = solattn.sol_attn(q, k, v, backend="flex", **kw)

@@ -223,7 +223,6 @@ def test_dense_mask_and_query_lists_equal_a_loop():
                 idx[b, h, i, :len(picked)] = picked.int()
                 want[b, h, i, picked] = True
     plan = Plan(kv_num_blocks=counts, kv_indices=idx, block_len=torch.full((n,), 64, dtype=torch.int32),
-                key_mean=torch.zeros(B, H, 1, 8), tail_lse=None, tail_value=None, coarse=None,
                 touches_dead=torch.zeros(B, H, n, dtype=torch.bool), seq_len=n * 64)
     assert torch.equal(plan.dense_mask(), want)
     q_num, q_idx = plan.query_lists()

@@ -20,6 +20,7 @@ def _plan(T=300, B=2, H=3, D=16, seed=0, **kw):
 def test_plan_knows_its_sizes():
     problem, plan = _plan(T=300, topk_ratio=0.3)
     assert (plan.batch, plan.heads, plan.seq_len, plan.head_dim) == (2, 3, 300, 16)
+    assert (plan.selection().batch, plan.selection().heads) == (2, 3)
     assert plan.block_size == solattn.BLOCK == 64 and plan.n == 5 == -(-300 // plan.block_size)
     assert plan.device == problem.device
 
@@ -107,21 +108,24 @@ def test_flex_attention_with_the_block_mask_is_sol_attn_without_tail(dtype):
 
 
 def test_a_plan_for_another_call_is_refused():
+    """Only the selection's shape, device and block size must fit: a call with or without tail or
+    gate takes it (they do not change a selection)."""
     problem, plan = _plan(T=300, topk_ratio=0.3)
     def check(p, plan):
-        return routing.check_plan("sol_attn", plan, p.B, p.H, p.T, p.D, p.device, p.tail, p.coarse_gate is not None)
+        return routing.check_plan("sol_attn", plan, p.B, p.H, p.T, p.device)
 
-    assert check(problem, plan) is plan
+    got = check(problem, plan)
+    assert type(got) is routing.Plan and got.kv_indices is plan.kv_indices and not hasattr(got, "tail_lse")
     q, k, v = make_qkv(2, 300, 3, 16, seed=1)
+    for fits in (validate(q, k, v, topk_ratio=0.3, tail=False), validate(q, k, v, topk_ratio=0.3, coarse_gate=q)):
+        assert check(fits, plan).kv_indices is plan.kv_indices
     cases = [
-        (validate(q[:, :200], k[:, :200], v[:, :200], topk_ratio=0.3), r"B=2 H=3 T=300 .*allowed: .*T=200"),
+        (validate(q[:, :200], k[:, :200], v[:, :200], topk_ratio=0.3), r"B=2 H=3 T=300, .*allowed: .*T=200"),
         (validate(q[:1], k[:1], v[:1], topk_ratio=0.3), r"B=2 .*allowed: .*B=1 "),
-        (validate(q, k, v, topk_ratio=0.3, tail=False), r".*with tail terms.*allowed: .*without tail"),
-        (validate(q, k, v, topk_ratio=0.3, coarse_gate=q), r".*allowed: .*with tail and coarse terms"),
         (validate(*(t.to("meta") for t in (q, k, v)), topk_ratio=0.3), r".*on cpu.*allowed: .*on meta"),
     ]
     for other, pattern in cases:
-        with pytest.raises(ValueError, match=r"sol_attn: argument 'plan' received a plan of " + pattern):
+        with pytest.raises(ValueError, match=r"sol_attn: argument 'plan' received a selection of " + pattern):
             check(other, plan)
     with pytest.raises(TypeError, match=r"argument 'plan' received Tensor; allowed: None or a solattn Plan"):
         check(problem, plan.kv_indices)
@@ -173,26 +177,28 @@ def test_a_call_on_its_own_plan_gives_the_same_output():
 
 
 def test_gradients_on_a_given_plan():
-    """A given plan is a constant of the call: without pooled terms (tail=False, no gate) the
-    gradients are those of the call that builds its own plan (whose selection is constant too)."""
+    """A given plan's selection is a constant of the call; the call's own terms are not: with or
+    without pooled terms the gradients are those of the call that builds its own plan (whose
+    selection is constant too)."""
     q, k, v = make_qkv(1, 200, 2, 32, seed=9)
-    p = solattn.plan(q, k, v, topk_ratio=0.4, tail=False)
-    grads = []
-    for plan in (p, None):
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        solattn.sol_attn(*leaves, topk_ratio=0.4, tail=False, plan=plan).square().sum().backward()
-        grads.append([t.grad for t in leaves])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b)
+    gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(14))
+    for kw in (dict(topk_ratio=0.4, tail=False), dict(topk_ratio=0.4, coarse_gate=gate)):
+        p = solattn.plan(q, k, v, **kw)
+        grads = []
+        for plan in (p, None):
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            solattn.sol_attn(*leaves, **kw, plan=plan).square().sum().backward()
+            grads.append([t.grad for t in leaves])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b)
 
 
 def test_a_plan_that_does_not_fit_the_call_is_refused():
     q, k, v = make_qkv(1, 200, 2, 32, seed=10)
     p = solattn.plan(q, k, v, topk_ratio=0.3)
-    with pytest.raises(ValueError, match=r"sol_attn: argument 'plan' received a plan of .*T=200.*allowed: .*T=136"):
+    with pytest.raises(ValueError, match=r"sol_attn: argument 'plan' received a selection of .*T=200.*allowed: "
+                                         r".*T=136"):
         solattn.sol_attn(q[:, :136], k[:, :136], v[:, :136], topk_ratio=0.3, plan=p)
-    with pytest.raises(ValueError, match=r"argument 'plan' .*with tail terms.*allowed: .*without tail"):
-        solattn.sol_attn(q, k, v, topk_ratio=0.3, tail=False, plan=p)
     with pytest.raises(TypeError, match=r"argument 'plan' received dict"):
         solattn.sol_attn(q, k, v, topk_ratio=0.3, plan={})
     # the reference backend routes by itself: it cannot run a given plan
@@ -206,11 +212,12 @@ def test_video_sparse_attn_on_its_own_plan():
     gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(12))
     kw = dict(sparsity=0.75, gate=gate, prefix_len=P)
     p = solattn.video_plan(q, k, v, grid, **kw)
-    assert p.seq_len == 128 + 256 and p.coarse is not None and p.tail_lse is None   # tiled rows
+    assert p.seq_len == 128 + 256 and not hasattr(p, "coarse")   # tiled rows; a selection only
     assert torch.equal(solattn.video_sparse_attn(q, k, v, grid, **kw, plan=p),
                        solattn.video_sparse_attn(q, k, v, grid, **kw))
-    with pytest.raises(ValueError, match=r"video_sparse_attn: argument 'plan' .*coarse.*allowed: .*without"):
-        solattn.video_sparse_attn(q, k, v, grid, sparsity=0.75, prefix_len=P, plan=p)
+    # the selection serves a call without a gate too
+    assert torch.equal(solattn.video_sparse_attn(q, k, v, grid, sparsity=0.75, prefix_len=P, plan=p),
+                       solattn.video_sparse_attn(q, k, v, grid, sparsity=0.75, prefix_len=P))
 
 
 @pytest.mark.skipif(not triton_interpretable(), reason="needs Triton >= 3.9 for its CPU interpreter")

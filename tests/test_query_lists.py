@@ -43,7 +43,6 @@ def selection(B, H, n, seed, kept=None, prefix=0, exempt=0, empty_rows=0):
 def plan_of(counts, idx):
     (B, H, n), dev = counts.shape, counts.device
     return Plan(kv_num_blocks=counts, kv_indices=idx, block_len=torch.full((n,), 64, dtype=torch.int32, device=dev),
-                key_mean=torch.zeros(B, H, 1, 8, device=dev), tail_lse=None, tail_value=None, coarse=None,
                 touches_dead=torch.zeros(B, H, n, dtype=torch.bool, device=dev), seq_len=n * 64)
 
 

@@ -3,8 +3,9 @@
 - :mod:`.stats`: live lengths and fp32 block means over live rows.
 - :mod:`.select`: ``sol_attn``'s selection (tau or top-k, plus forced blocks).
 - :mod:`.vsa`: VSA's selection (FastVideo's VSA-H3 rule).
-- :mod:`.plan`: the :class:`Plan` (ordered selection, tail and coarse terms) and its
-  assembly, chunked to fit the memory budget.
+- :mod:`.plan`: the :class:`Plan` (an ordered selection, no values), the :class:`CallPlan` a
+  backend runs (a selection plus one call's tail, coarse and centring terms) and their assembly,
+  chunked to fit the memory budget.
 
 Backends that consume a :class:`Plan` (``sdpa``, ``triton``) never re-derive selection;
 the ``reference`` backend does not import this package.
@@ -15,8 +16,8 @@ from __future__ import annotations
 from typing import FrozenSet, Optional
 
 from ..validation import Problem
-from .plan import (BYTES_PER_SCORE, Plan, Selector, assemble_plan, check_plan, coarse_rows, indices_from_mask,
-                   plan_chunks, tail_rows)
+from .plan import (BYTES_PER_SCORE, CallPlan, Plan, Selector, assemble_plan, check_plan, coarse_rows,
+                   indices_from_mask, plan_chunks, plan_with_values, tail_rows)
 from .select import (TOPK_METHODS, default_topk_method, force_blocks_, kth_largest,
                      select_exact, sink_mask, sol_attn_selector, topk_count)
 from .stats import BlockStats, block_means, block_stats, live_lengths, live_token_mask
@@ -24,7 +25,7 @@ from .vsa import PREFIX_MODES, build_vsa_plan, select_vsa, vsa_selector, vsa_top
 
 
 def build_plan(problem: Problem, topk_method: Optional[str] = None, fused: bool = False,
-               extras: FrozenSet[str] = frozenset()) -> Plan:
+               extras: FrozenSet[str] = frozenset()) -> CallPlan:
     """The routing plan of a ``sol_attn`` call (SPEC.md, "The routing plan").
 
     ``fused=True`` lets a caller whose backend takes a ``kv_indices`` wider than the largest
@@ -43,8 +44,8 @@ def build_plan(problem: Problem, topk_method: Optional[str] = None, fused: bool 
     return assemble_plan(problem, stats, rule, tail=problem.tail, coarse=problem.coarse_gate is not None)
 
 
-__all__ = ["BYTES_PER_SCORE", "BlockStats", "PREFIX_MODES", "Plan", "Selector", "TOPK_METHODS",
+__all__ = ["BYTES_PER_SCORE", "BlockStats", "CallPlan", "PREFIX_MODES", "Plan", "Selector", "TOPK_METHODS",
            "assemble_plan", "block_means", "block_stats", "build_plan", "build_vsa_plan", "check_plan", "coarse_rows",
            "default_topk_method", "force_blocks_", "indices_from_mask", "kth_largest",
-           "live_lengths", "live_token_mask", "plan_chunks", "select_exact", "select_vsa", "sink_mask",
+           "live_lengths", "live_token_mask", "plan_chunks", "plan_with_values", "select_exact", "select_vsa", "sink_mask",
            "sol_attn_selector", "tail_rows", "topk_count", "vsa_selector", "vsa_topk_from_sparsity"]

@@ -53,7 +53,7 @@ from ..budget import current_budget
 from ..config import Tuning, current_tuning
 from ..kernels import cuda_capability, device_constant, interpret_on, interpretable, on_device, pow2, triton_runs_on
 from ..validation import BLOCK, Problem, fail
-from .plan import Plan
+from .plan import CallPlan
 from .select import topk_count
 
 #: rows of the (rows, n) score tile the top-k bisection keeps in registers at a time, times n:
@@ -229,8 +229,8 @@ def vsa_rule(P: int, exempt: bool, kk: int) -> Rule:
 PLAN_EXTRAS = frozenset({"tiled_kv", "len_codes"})
 
 
-def fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet[str] = frozenset()) -> Plan:
-    """``problem``'s :class:`Plan` from the Triton kernels (see the module docstring); the same
+def fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet[str] = frozenset()) -> CallPlan:
+    """``problem``'s :class:`CallPlan` from the Triton kernels (see the module docstring); the same
     selection, tail and coarse terms as :func:`solattn.routing.build_plan`'s torch path (with
     ``rule``, e.g. :func:`vsa_rule`: that selection instead of ``sol_attn``'s, as
     :func:`solattn.routing.build_vsa_plan` makes it), except that ``kv_indices`` is ``n`` wide.
@@ -249,7 +249,7 @@ def _stages(tuning: dict, key: str) -> dict:
     return {"num_stages": tuning[key]} if key in tuning else {}
 
 
-def _fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet[str] = frozenset()) -> Plan:
+def _fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet[str] = frozenset()) -> CallPlan:
     """``rule``: the selection (default :func:`sol_attn_rule`); launch parameters: the measured
     choices below, or the overrides of the :class:`FusedPlanTuning` in force."""
     tuning = current_tuning(FusedPlanTuning).overrides()
@@ -362,7 +362,7 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet
             POOL_DOT=tuning.get("pool_dot", precision), num_warps=tuning.get("pool_warps", 8 if bi >= 64 else 4),
             **_stages(tuning, "pool_stages"))
 
-    plan = Plan(kv_num_blocks=kv_num, kv_indices=kv_idx, block_len=L, key_mean=m,
+    plan = CallPlan(kv_num_blocks=kv_num, kv_indices=kv_idx, block_len=L, key_mean=m,
                 tail_lse=tail_lse if tail else None, tail_value=tail_value if tail else None,
                 coarse=coarse_out if coarse else None, touches_dead=touch.view(torch.bool),
                 seq_len=T)

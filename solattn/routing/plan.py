@@ -1,17 +1,19 @@
 """The routing plan: the one contract between routing and backends, and its assembly.
 
-A :class:`Plan` holds what a backend must compute, per (batch, head, query block):
-the exact key blocks in ordered form (``kv_num_blocks`` / ``kv_indices``, as
-FlexAttention's ``BlockMask`` keeps them), the pooled tail terms and the coarse
-term. :func:`assemble_plan` builds it from block statistics and a selection rule
-(``sol_attn``'s in :mod:`.select`, VSA's in :mod:`.vsa`), chunk by chunk over
-heads and query-block rows, so that the ``(rows, n)`` score temporaries of one
-chunk fit in the ``sdpa`` memory budget whatever T and H are. The dense
-``(B, H, n, n)`` mask is never stored; :meth:`Plan.dense_mask` derives it.
+A :class:`Plan` is a selection, per (batch, head, query block): the exact key blocks in ordered
+form (``kv_num_blocks`` / ``kv_indices``, as FlexAttention's ``BlockMask`` keeps them), with the
+block lengths and sequence length it covers. It holds no value of any call, so a plan built once
+serves any call of its shape (FlashInfer's plan/run split). What a backend runs is a
+:class:`CallPlan`: a selection plus the terms one call computes from its own block means (the key
+centroid, the pooled tail, the coarse term). :func:`assemble_plan` builds it from block statistics
+and a selection rule (``sol_attn``'s in :mod:`.select`, VSA's in :mod:`.vsa`), chunk by chunk over
+heads and query-block rows, so that the ``(rows, n)`` score temporaries of one chunk fit in the
+``sdpa`` memory budget whatever T and H are; :func:`plan_with_values` computes a call's terms
+with a given selection held. The dense ``(B, H, n, n)`` mask is never stored;
+:meth:`Plan.dense_mask` derives it.
 
-The selection is computed without gradients (it is piecewise constant); the
-tail and coarse terms keep their autograd graph so that gradients of q, k, v
-flow through them.
+The selection is computed without gradients (it is piecewise constant); the tail and coarse
+terms keep their autograd graph so that gradients of q, k, v flow through them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from ..budget import current_budget
 from ..kernels import device_constant, triton_runs_on
 from ..validation import BLOCK, Problem, fail
-from .stats import BlockStats, serial_cpu
+from .stats import BlockStats, block_means, block_stats, live_lengths, serial_cpu
 
 #: Selection rule of one chunk: ``select(g0, g1, i0, i1)`` -> ``(g1 - g0, i1 - i0, n)`` bool,
 #: the exact key blocks of query blocks ``[i0, i1)`` of the flattened (batch, head) groups ``[g0, g1)``.
@@ -44,24 +46,24 @@ _SERIAL_SCORES = 1 << 22
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """Which key blocks each query block attends exactly, plus what the tail and coarse branch need.
+    """A selection: which key blocks each query block attends exactly. No value of any call.
 
     - ``kv_num_blocks``: ``(B, H, n)`` int32, number of exact key blocks per query block.
     - ``kv_indices``: ``(B, H, n, M)`` int32, the exact key blocks in ascending order in the first
       ``kv_num_blocks`` entries, then 0 (padding). ``M`` is the largest count (n in the fused GPU
       plan that ``build_plan(..., fused=True)`` gives the ``triton`` backend). This is the form
       FlexAttention's ``BlockMask.from_kv_blocks`` and block-index kernels consume.
-    - ``block_len``: ``(n,)`` int32 live rows per block (``L_j``).
-    - ``key_mean``: ``(B, H, 1, D)`` fp32 centroid ``m`` of the key block means; exact keys are ``k - m``.
-    - ``tail_lse``: ``(B, H, n)`` fp32 ``log sum_{j not in E_i} L_j exp(p_ij)`` (``-inf`` when the tail
-      is empty) or ``None`` when ``tail=False``.
-    - ``tail_value``: ``(B, H, n, D)`` fp32 weighted mean of ``vm_j`` over that tail, or ``None``.
-    - ``coarse``: ``(B, H, n, D)`` fp32 ``sum_j softmax_j(scale qm_i . km_j) vm_j``, or ``None``;
-      a backend adds ``gate_t * coarse_i`` to every row t of query block i.
+    - ``block_len``: ``(n,)`` int32 live rows per block (``L_j``) of the call it was built from
+      (:meth:`to_block_mask`'s live keys). A call that runs the plan uses its own ``block_len``.
     - ``touches_dead``: ``(B, H, n)`` bool, True where some exact key block of query block i has
       dead rows (``L_j < 64``), i.e. where the exact keys need a mask.
     - ``seq_len``: T, the tokens the plan covers (``n = ceil(T / block_size)``).
     - ``block_size``: tokens per routing block (64, :data:`solattn.BLOCK`).
+
+    Route once, run many: ``sol_attn(q, k, v, ..., plan=p)`` computes the definition with ``p``'s
+    exact sets held and every other term (tail, coarse, centring, block means) from its own
+    tensors, so one plan serves the layers that share a layout or the steps that reuse a mask.
+    ``p[b, h]`` (ints or slices) is the plan of those batch entries and heads (dimensions kept).
 
     Derived forms are computed on demand: the selection as a dense ``(B, H, n, n)`` bool mask
     (:meth:`dense_mask`), transposed for a backward pass that walks key blocks
@@ -72,10 +74,6 @@ class Plan:
     kv_num_blocks: torch.Tensor
     kv_indices: torch.Tensor
     block_len: torch.Tensor
-    key_mean: torch.Tensor
-    tail_lse: Optional[torch.Tensor]
-    tail_value: Optional[torch.Tensor]
-    coarse: Optional[torch.Tensor]
     touches_dead: torch.Tensor
     seq_len: int
     block_size: int = BLOCK
@@ -96,31 +94,58 @@ class Plan:
         return self.kv_num_blocks.shape[1]
 
     @property
-    def head_dim(self) -> int:
-        return self.key_mean.shape[-1]
-
-    @property
     def device(self) -> torch.device:
         return self.kv_indices.device
 
     @property
     def kept_fraction(self) -> float:
-        """Fraction of (query block, key block) pairs attended exactly."""
+        """Fraction of (query block, key block) pairs attended exactly (one host sync)."""
         return float(self.kv_num_blocks.double().mean().item()) / self.n
 
-    #: the tensor fields in the order of :meth:`tensors`
-    TENSOR_FIELDS = ("kv_num_blocks", "kv_indices", "block_len", "key_mean", "tail_lse", "tail_value", "coarse",
-                     "touches_dead")
+    def sparsity(self) -> float:
+        """Fraction of (query block, key block) pairs not attended exactly, in ``[0, 1]``
+        (``1 - kept_fraction``; one host sync)."""
+        return 1.0 - self.kept_fraction
 
-    def tensors(self) -> List[Optional[torch.Tensor]]:
-        """The plan's tensors in :data:`TENSOR_FIELDS` order (None for an absent term): how a plan
-        travels as an argument of the ``solattn::sol_attn`` custom op."""
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(batch={self.batch}, heads={self.heads}, seq_len={self.seq_len}, "
+                f"block_size={self.block_size}, blocks={self.n}, sparsity={100 * self.sparsity():.1f}%)")
+
+    def __getitem__(self, index) -> "Plan":
+        """The selection of some batch entries and heads: ``p[b]``, ``p[b, h]``, ``p[:, h0:h1]``
+        (ints or slices over batch, then heads; an int keeps its dimension, of size 1)."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > 2 or not all(isinstance(i, (int, slice)) and not isinstance(i, bool) for i in index):
+            fail("Plan[...]", "index", repr(index), "ints or slices over (batch, heads), at most two")
+        sizes = (self.batch, self.heads)
+        keys = []
+        for i, size in zip(index, sizes):
+            if isinstance(i, int):
+                if not -size <= i < size:
+                    fail("Plan[...]", "index", repr(index), f"indices within (batch, heads) = {sizes}", IndexError)
+                i = slice(i % size, i % size + 1)
+            keys.append(i)
+        key = tuple(keys)
+        return Plan(kv_num_blocks=self.kv_num_blocks[key], kv_indices=self.kv_indices[key],
+                    block_len=self.block_len, touches_dead=self.touches_dead[key], seq_len=self.seq_len,
+                    block_size=self.block_size)
+
+    def selection(self) -> "Plan":
+        """The selection alone (a :class:`Plan` holds nothing else; see :class:`CallPlan`)."""
+        return self
+
+    #: the tensor fields in the order of :meth:`tensors`
+    TENSOR_FIELDS = ("kv_num_blocks", "kv_indices", "block_len", "touches_dead")
+
+    def tensors(self) -> List[torch.Tensor]:
+        """The selection's tensors in :data:`TENSOR_FIELDS` order: how a plan travels as an
+        argument of the ``solattn::sol_attn`` custom op."""
         return [getattr(self, name) for name in self.TENSOR_FIELDS]
 
     @classmethod
     def from_tensors(cls, tensors, seq_len: int) -> "Plan":
-        """The plan whose :meth:`tensors` are ``tensors``, covering ``seq_len`` tokens."""
-        return cls(**dict(zip(cls.TENSOR_FIELDS, tensors)), seq_len=seq_len)
+        """The selection whose :meth:`tensors` are ``tensors``, covering ``seq_len`` tokens."""
+        return Plan(**dict(zip(Plan.TENSOR_FIELDS, tensors)), seq_len=seq_len)
 
     def keep(self, name: str, value: object) -> None:
         """Hold ``value`` for the backend that runs the plan, until it is taken (:meth:`take`):
@@ -135,11 +160,7 @@ class Plan:
 
     def dense_mask(self) -> torch.Tensor:
         """The selection as a ``(B, H, n, n)`` bool block mask (allocated on each call)."""
-        n, M = self.n, self.kv_indices.shape[-1]
-        padding = _arange(M, self.kv_indices.device) >= self.kv_num_blocks[..., None]
-        cols = self.kv_indices.long().masked_fill_(padding, n)            # padding -> scratch column n
-        mask = torch.zeros(*self.kv_num_blocks.shape, n + 1, dtype=torch.bool, device=cols.device)
-        return mask.scatter_(-1, cols, True)[..., :n]
+        return _mask_of_lists(self.kv_num_blocks, self.kv_indices, self.n)
 
     def query_lists(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """The selection transposed, for a backward pass that walks key blocks: for each key block
@@ -213,27 +234,54 @@ class Plan:
                                         seq_lengths=(self.seq_len, keys), compute_q_blocks=for_backward)
 
 
-def _describe(batch: int, heads: int, seq_len: int, head_dim: int, block_size: int, device, tail: bool,
-              coarse: bool) -> str:
-    terms = [name for name, has in (("tail", tail), ("coarse", coarse)) if has]
-    return (f"B={batch} H={heads} T={seq_len} D={head_dim}, {block_size}-token blocks, on {device}, "
-            f"{'with ' + ' and '.join(terms) + ' terms' if terms else 'without tail or coarse terms'}")
+@dataclass(frozen=True, eq=False, repr=False)
+class CallPlan(Plan):
+    """A selection plus the terms one call computes from its own block means: what a backend
+    runs. Built per call (:func:`assemble_plan`, :func:`plan_with_values`, the fused plan); the
+    public :func:`solattn.plan` hands out its :meth:`selection` only.
+
+    - ``key_mean``: ``(B, H, 1, D)`` fp32 centroid ``m`` of the key block means; exact keys are ``k - m``.
+    - ``tail_lse``: ``(B, H, n)`` fp32 ``log sum_{j not in E_i} L_j exp(p_ij)`` (``-inf`` when the tail
+      is empty) or ``None`` when ``tail=False``.
+    - ``tail_value``: ``(B, H, n, D)`` fp32 weighted mean of ``vm_j`` over that tail, or ``None``.
+    - ``coarse``: ``(B, H, n, D)`` fp32 ``sum_j softmax_j(scale qm_i . km_j) vm_j``, or ``None``;
+      a backend adds ``gate_t * coarse_i`` to every row t of query block i.
+    """
+
+    key_mean: Optional[torch.Tensor] = None
+    tail_lse: Optional[torch.Tensor] = None
+    tail_value: Optional[torch.Tensor] = None
+    coarse: Optional[torch.Tensor] = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.key_mean.shape[-1]
+
+    def selection(self) -> Plan:
+        """The selection alone, sharing this plan's tensors (and its transposed lists, once built)."""
+        plan = Plan(kv_num_blocks=self.kv_num_blocks, kv_indices=self.kv_indices, block_len=self.block_len,
+                    touches_dead=self.touches_dead, seq_len=self.seq_len, block_size=self.block_size)
+        if "query_lists" in self._derived:
+            plan._derived["query_lists"] = self._derived["query_lists"]
+        return plan
 
 
-def check_plan(fn: str, plan, B: int, H: int, T: int, D: int, device: torch.device, tail: bool,
-               coarse: bool) -> Plan:
-    """``plan``, when it was built for a call of these shapes (``T``: the rows the backend runs
-    on), 64-token blocks, ``device`` and branches (tail terms exactly when ``tail``, a coarse term
-    exactly when ``coarse``); else a ``TypeError`` / ``ValueError`` naming ``fn``'s argument
-    ``plan``, what it holds and what the call needs. Metadata only: no host sync."""
+def _describe(batch: int, heads: int, seq_len: int, block_size: int, device) -> str:
+    return f"B={batch} H={heads} T={seq_len}, {block_size}-token blocks, on {device}"
+
+
+def check_plan(fn: str, plan, B: int, H: int, T: int, device: torch.device) -> Plan:
+    """The selection of ``plan`` when it covers a call of these shapes (``T``: the rows the
+    backend runs on), 64-token blocks and ``device``; else a ``TypeError`` / ``ValueError`` naming
+    ``fn``'s argument ``plan``, what it holds and what the call needs. Only the selection is
+    taken: every other term is the call's own. Metadata only: no host sync."""
     if not isinstance(plan, Plan):
         fail(fn, "plan", type(plan).__name__, "None or a solattn Plan (solattn.plan(...))", TypeError)
-    want = _describe(B, H, T, D, BLOCK, torch.device(device), tail, coarse)
-    got = _describe(plan.batch, plan.heads, plan.seq_len, plan.head_dim, plan.block_size, plan.device,
-                    plan.tail_lse is not None, plan.coarse is not None)
+    want = _describe(B, H, T, BLOCK, torch.device(device))
+    got = _describe(plan.batch, plan.heads, plan.seq_len, plan.block_size, plan.device)
     if got != want:
-        fail(fn, "plan", f"a plan of {got}", f"a plan built for this call: {want}")
-    return plan
+        fail(fn, "plan", f"a selection of {got}", f"a selection for this call: {want}")
+    return plan.selection()
 
 
 def coarse_rows(qm: torch.Tensor, km: torch.Tensor, vm: torch.Tensor, scale: float) -> torch.Tensor:
@@ -312,8 +360,8 @@ def plan_chunks(groups: int, n: int, nbytes: int) -> Iterator[Tuple[int, int, in
 
 
 def assemble_plan(problem: Problem, stats: BlockStats, select: Selector, tail: bool, coarse: bool,
-                  nbytes: Optional[int] = None) -> Plan:
-    """Build a :class:`Plan` from block statistics and a selection rule, chunk by chunk.
+                  nbytes: Optional[int] = None) -> CallPlan:
+    """Build a :class:`CallPlan` from block statistics and a selection rule, chunk by chunk.
 
     ``select`` gives the exact key blocks of a chunk (see :data:`Selector`; it runs without
     gradients). For each chunk the selection is turned into ordered indices and, when asked,
@@ -336,7 +384,7 @@ def assemble_plan(problem: Problem, stats: BlockStats, select: Selector, tail: b
 
 
 def _assemble(problem: Problem, stats: BlockStats, select: Selector, tail: bool, coarse: bool,
-              chunks: List[Tuple[int, int, int, int]]) -> Plan:
+              chunks: List[Tuple[int, int, int, int]]) -> CallPlan:
     """:func:`assemble_plan` over the given chunks (in :func:`plan_chunks` order)."""
     B, H, n, D = stats.qm.shape
     G, dev = B * H, stats.qm.device
@@ -362,7 +410,7 @@ def _assemble(problem: Problem, stats: BlockStats, select: Selector, tail: bool,
         del exact
         if coarse:
             part = coarse_rows(qm, km, vm, problem.scale)
-        return Plan(kv_num_blocks=bh(counts), kv_indices=bh(idx), block_len=stats.L, key_mean=stats.m,
+        return CallPlan(kv_num_blocks=bh(counts), kv_indices=bh(idx), block_len=stats.L, key_mean=stats.m,
                     tail_lse=bh(lse), tail_value=bh(tv), coarse=bh(part), touches_dead=bh(touches),
                     seq_len=problem.T)
 
@@ -431,6 +479,72 @@ def _assemble(problem: Problem, stats: BlockStats, select: Selector, tail: bool,
         tail_value = joined(tv_parts) if tail else None
         coarse_out = joined(coarse_parts) if coarse else None
 
-    return Plan(kv_num_blocks=bh(kv_num_blocks), kv_indices=bh(kv_indices), block_len=stats.L,
+    return CallPlan(kv_num_blocks=bh(kv_num_blocks), kv_indices=bh(kv_indices), block_len=stats.L,
                 key_mean=stats.m, tail_lse=bh(tail_lse), tail_value=bh(tail_value), coarse=bh(coarse_out),
                 touches_dead=bh(touches), seq_len=problem.T)
+
+
+def plan_with_values(problem: Problem, selection: Plan, nbytes: Optional[int] = None) -> CallPlan:
+    """``problem``'s :class:`CallPlan` with ``selection``'s exact sets held: the key centroid, the
+    tail terms (when ``problem.tail``) and the coarse term (with a ``coarse_gate``) from
+    ``problem``'s own block means and live lengths, as :func:`assemble_plan` computes them for a
+    selection of its own. ``selection`` must cover the problem's batch, heads and rows
+    (:func:`check_plan`). No host synchronisation (a CUDA graph may capture it); chunked as
+    :func:`assemble_plan` is (``nbytes``); with gradients enabled the terms record autograd."""
+    B, H, n, T = problem.B, problem.H, problem.n, problem.T
+    G, D, dev = B * H, problem.D, problem.device
+    tail, coarse = problem.tail, problem.coarse_gate is not None
+    if tail or coarse:
+        stats = block_stats(problem)
+        L, m = stats.L, stats.m
+    else:                                   # the centroid alone: the key means
+        L = live_lengths(problem)
+        km = block_means(problem.k, L, problem.block_len is None or problem.dead_rows_zero)
+        m = km.mean(dim=2, keepdim=True)
+    kv_num, kv_idx = selection.kv_num_blocks, selection.kv_indices
+    M = kv_idx.shape[-1]
+    listed = _arange(M, dev) < kv_num[..., None]                          # (B, H, n, M)
+    touches = ((L < BLOCK)[kv_idx.long()] & listed).any(dim=-1)
+    lse = tv = part = None
+    if tail or coarse:
+        nbytes = current_budget("sdpa") if nbytes is None else nbytes
+        qm, km, vm = (x.reshape(G, n, D) for x in (stats.qm, stats.km, stats.vm))
+        kmc = (stats.km - m).reshape(G, n, D) if tail else None
+        logL = torch.log(L.to(torch.float32)) if tail else None
+        cnt, idx = kv_num.reshape(G, n), kv_idx.reshape(G, n, M)
+        lse_parts, tv_parts, coarse_parts, chunks = [], [], [], list(plan_chunks(G, n, nbytes))
+        for g0, g1, i0, i1 in chunks:
+            if tail:
+                with torch.no_grad():
+                    exact = _mask_of_lists(cnt[g0:g1, i0:i1], idx[g0:g1, i0:i1], n)
+                l, t = tail_rows(qm[g0:g1, i0:i1], kmc[g0:g1], vm[g0:g1], logL, problem.scale, exact)
+                lse_parts.append(l)
+                tv_parts.append(t)
+                del exact
+            if coarse:
+                coarse_parts.append(coarse_rows(qm[g0:g1, i0:i1], km[g0:g1], vm[g0:g1], problem.scale))
+
+        def joined(parts: List[torch.Tensor]) -> torch.Tensor:
+            """Chunk results in ``plan_chunks`` order -> ``(B, H, n, ...)``: rows first, then groups."""
+            groups, row = [], []
+            for (_, _, _, i1), piece in zip(chunks, parts):
+                row.append(piece)
+                if i1 == n:
+                    groups.append(torch.cat(row, dim=1) if len(row) > 1 else row[0])
+                    row = []
+            whole = torch.cat(groups, dim=0) if len(groups) > 1 else groups[0]
+            return whole.view(B, H, *whole.shape[1:])
+
+        lse = joined(lse_parts) if tail else None
+        tv = joined(tv_parts) if tail else None
+        part = joined(coarse_parts) if coarse else None
+    return CallPlan(kv_num_blocks=kv_num, kv_indices=kv_idx, block_len=L, touches_dead=touches, seq_len=T,
+                    key_mean=m, tail_lse=lse, tail_value=tv, coarse=part)
+
+
+def _mask_of_lists(counts: torch.Tensor, indices: torch.Tensor, n: int) -> torch.Tensor:
+    """``(..., n)`` bool mask of the first ``counts`` entries of ``indices`` ``(..., M)`` (no host sync)."""
+    padding = _arange(indices.shape[-1], indices.device) >= counts[..., None]
+    cols = indices.long().masked_fill(padding, n)                        # padding -> scratch column n
+    mask = torch.zeros(*counts.shape, n + 1, dtype=torch.bool, device=indices.device)
+    return mask.scatter_(-1, cols, True)[..., :n]

@@ -24,7 +24,7 @@ from typing import FrozenSet, Optional, Tuple
 import torch
 
 from ..validation import Problem
-from .plan import Plan, Selector, assemble_plan
+from .plan import CallPlan, Selector, assemble_plan
 from .select import default_topk_method, kth_largest
 from .stats import BlockStats, block_stats
 
@@ -97,7 +97,7 @@ def select_vsa(stats: BlockStats, k_vid: int, num_prefix_blocks: int = 0, mode: 
 
 def build_vsa_plan(problem: Problem, k_vid: int, num_prefix_blocks: int = 0, mode: str = "exempt",
                    topk_method: Optional[str] = None, fused: bool = False,
-                   extras: FrozenSet[str] = frozenset()) -> Plan:
+                   extras: FrozenSet[str] = frozenset()) -> CallPlan:
     """The routing plan of a VSA call.
 
     ``problem`` is the tiled layout (prefix tiles, then cube tiles, ``block_len`` set, no tail);
