@@ -206,3 +206,48 @@ def test_a_selection_of_another_shape_heads_device_or_block_size_is_refused():
     with pytest.raises(ValueError, match=r"video_sparse_attn: argument 'plan' received a selection of .*B=1 H=2"
                                          r".*allowed: .*H=1"):
         solattn.video_sparse_attn(qv[:, :, :1], kv[:, :, :1], vv[:, :, :1], grid, sparsity=0.5, plan=pv)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kw", [dict(topk_ratio=0.25), dict(tau=0.5, tail=False)], ids=str)
+def test_cuda_triton_reuses_a_plan_forward_and_backward(kw):
+    """On CUDA the triton backend's own plan is the fused one (n-wide lists); held for other
+    tensors, forward and gradients are the definition's with that selection."""
+    q1, k1, v1 = make_qkv(1, 1000, 4, 64, dtype=torch.float16, device="cuda", seed=25)
+    q2, k2, v2 = make_qkv(1, 1000, 4, 64, dtype=torch.float16, device="cuda", seed=26)
+    gate = torch.rand(q2.shape, device="cuda").half()
+    p = solattn.plan(q1, k1, v1, **kw, backend="triton")
+    assert p.kv_indices.shape[-1] == p.n
+    leaves = [t.clone().requires_grad_(True) for t in (q2, k2, v2, gate)]
+    w = torch.randn(q2.shape, device="cuda")
+    out = solattn.sol_attn(*leaves[:3], **kw, coarse_gate=leaves[3], backend="triton", plan=p)
+    (out.float() * w).sum().backward()
+    ref = [t.detach().cpu().double().requires_grad_(True) for t in (q2, k2, v2, gate)]
+    want = held_selection(*ref[:3], p.dense_mask().cpu(), tail=kw.get("tail", True), gate=ref[3])
+    (want * w.cpu().double()).sum().backward()
+    assert rel_l2(out.detach().cpu().double(), want.detach()) < 1e-2
+    for name, a, b in zip("qkvg", leaves, ref):
+        assert rel_l2(a.grad.cpu().double(), b.grad) < 2e-2, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replays_of_a_reused_plan_compute_each_calls_own_terms():
+    """Inside ``cuda_graphs()`` a call on a given plan is captured once and replayed; each replay
+    computes the tail and coarse terms from the inputs' current contents (none are read from the
+    plan)."""
+    from solattn.graphs import cuda_graphs
+    q, k, v = make_qkv(1, 1024, 4, 64, dtype=torch.bfloat16, device="cuda", seed=27)
+    gate = torch.rand(q.shape, device="cuda").to(torch.bfloat16)
+    kw = dict(topk_ratio=0.25, coarse_gate=gate, backend="triton")
+    p = solattn.plan(q, k, v, **kw)
+    outs = []
+    with torch.no_grad(), cuda_graphs() as cache:
+        for _ in range(4):
+            v.copy_(torch.randn_like(v) * 2 + 1)
+            gate.uniform_()
+            outs.append((solattn.sol_attn(q, k, v, **kw, plan=p), v.clone(), gate.clone()))
+    assert cache.stats.replays >= 2 and cache.stats.failures == 0, cache.stats
+    mask = p.dense_mask().cpu()
+    for got, v_then, gate_then in outs:
+        want = held_selection(q.cpu(), k.cpu(), v_then.cpu(), mask, gate=gate_then.cpu())
+        assert rel_l2(got.cpu().double(), want) < 1e-2
