@@ -443,6 +443,8 @@ def _(q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, grad_ou
 
 
 def op_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
+    if grad_out is None:     # no gradient defined for the output (materialize_grads is off): none for the inputs
+        return (None,) * (19 + PLAN_OPERANDS)
     q, k, v, key_bias, block_len, coarse_gate, out, lse, resid, fused, *given = ctx.saved_tensors
     # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
     bias_grad = bool(ctx.needs_input_grad[7] and key_bias is not None and key_bias.is_floating_point())
