@@ -18,6 +18,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Union
 import torch
 
 from .backends.base import Backend
+from .compiling import tracing
 from .validation import Problem
 
 _REGISTRY: Dict[str, Backend] = {}
@@ -181,11 +182,12 @@ def choice_key() -> tuple:
 def forced_backend() -> Optional[str]:
     """The innermost ``use_backend`` name, or None.
 
-    None while ``torch.compile`` traces: Dynamo cannot trace a context variable, and only the
+    None while ``torch.compile`` traces this thread (:func:`solattn.compiling.tracing`; a compile
+    in another thread changes nothing here): Dynamo cannot trace a context variable, and only the
     entry points' early argument checks run at trace time; the custom ops, which dispatch,
     read it again when they run.
     """
-    if torch.compiler.is_compiling():
+    if tracing():
         return None
     return _forced.get()
 

@@ -66,6 +66,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .compiling import tracing
 from .config import graph_recording, recording_graph, tuning_key
 
 __all__ = ["cuda_graphs", "active_cache", "GraphCache", "GraphStats"]
@@ -264,7 +265,7 @@ class GraphCache:
         """Graphs apply to CUDA tensors on the current device, outside another capture and
         outside autograd."""
         present = [t for t in tensors if t is not None]
-        if torch.compiler.is_compiling():  # traced (fake) tensors have no addresses to key by
+        if tracing():  # traced (fake) tensors have no addresses to key by
             return False
         if not present or not self._devices_ok(present):
             return False

@@ -17,6 +17,7 @@ import torch
 
 from . import dispatch, graphs
 from .budget import BUDGETS, current_budget
+from .compiling import tracing
 
 Tensor = torch.Tensor
 
@@ -27,7 +28,7 @@ def plain_eager(*tensors: Optional[Tensor]) -> bool:
     counter). Then the public functions call the op's computation directly and skip the op's
     dispatch and autograd wrapping (several hundred microseconds per call), which is the whole
     cost of small problems; everything else goes through the op."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _dispatch_mode_active() \
+    if tracing() or torch.jit.is_tracing() or _dispatch_mode_active() \
             or _transforms_active():
         return False
     return all(t is None or (type(t) is torch.Tensor and t.device.type != "meta") for t in tensors)
@@ -76,7 +77,7 @@ def check_transforms(fn: str, tensors: Sequence[Optional[Tensor]]) -> None:
     tangent) and forward-mode AD through dual tensors. ``torch.vmap`` runs (one call per batch entry),
     and so does a transformed function whose derivative does not pass through the op. Skipped while
     torch.compile traces (Dynamo cannot follow these checks; the compiled call runs as before)."""
-    if torch.compiler.is_compiling() or not _transforms_active():
+    if tracing() or not _transforms_active():
         return
     what = None
     try:
@@ -107,7 +108,7 @@ def forward_settings():
     """The caller's scoped settings, for the backward pass. They are context variables, and
     autograd may run a backward on a worker thread of its own (CUDA) or long after the ``with``
     block has ended: the recomputation must use the settings the forward ran under."""
-    if torch.compiler.is_compiling():  # Dynamo cannot trace context variables; compiled code
+    if tracing():  # Dynamo cannot trace context variables; compiled code
         return None                    # reads them when the op runs
     return contextvars.copy_context()
 
@@ -116,7 +117,7 @@ def traced(t: Tensor) -> bool:
     """Whether autograd is running a backward under tracing (torch.compile's AOTAutograd traces
     the backward with fake tensors): the backward must then be one opaque op, as its branch on the
     forward's ``fused`` flag reads data."""
-    return type(t) is not torch.Tensor or torch.compiler.is_compiling()
+    return type(t) is not torch.Tensor or tracing()
 
 
 @contextlib.contextmanager

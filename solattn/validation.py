@@ -16,6 +16,8 @@ from typing import NoReturn, Optional, Tuple
 
 import torch
 
+from .compiling import tracing
+
 BLOCK = 64
 """Tokens per routing block (SPEC.md, "Blocks")."""
 
@@ -136,7 +138,7 @@ def _warn_if_sdpa_layout(shape: Tuple[int, int, int, int]) -> None:
     B, T, H, D = shape
     # while torch.compile traces, stay silent (a warning would break the graph); the custom
     # op validates again when it runs, and warns then
-    if _layout_warned or not (H > _LAYOUT_HEADS and H > T) or torch.compiler.is_compiling():
+    if _layout_warned or not (H > _LAYOUT_HEADS and H > T) or tracing():
         return
     _layout_warned = True
     warnings.warn(
