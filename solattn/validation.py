@@ -237,6 +237,11 @@ def _check_range(name: str, value, n: int) -> Optional[Tuple[int, int]]:
     return (s0, s1) if s1 > s0 else None
 
 
+#: largest magnitude of a finite ``key_bias`` entry (SPEC.md): beyond it an entry acts as this
+#: bound, on every backend (an fp64 1e300 would otherwise become inf in fp32)
+KEY_BIAS_LIMIT = 1e30
+
+
 def _normalise_key_bias(key_bias, B: int, T: int, device) -> Optional[torch.Tensor]:
     if key_bias is None:
         return None
@@ -260,6 +265,8 @@ def _normalise_key_bias(key_bias, B: int, T: int, device) -> Optional[torch.Tens
     if kb.dtype == torch.bool:
         zero = torch.zeros((), dtype=torch.float32, device=device)
         return torch.where(kb, zero, torch.full_like(zero, -math.inf))
+    if kb.dtype != torch.float16:    # SPEC.md: finite entries beyond +-1e30 act as +-1e30 (before fp32's range)
+        kb = torch.where(torch.isneginf(kb), kb, kb.clamp(-KEY_BIAS_LIMIT, KEY_BIAS_LIMIT))
     return kb.to(torch.float32)
 
 
