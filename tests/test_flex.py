@@ -129,6 +129,27 @@ def test_tail_logit_in_appended_dims_survives_fp16_range(fresh):
         assert rel_l2(got.float(), want) <= 1.25 * rel_l2(ours.float(), want) + 1e-4, kw
 
 
+@pytest.mark.parametrize("dtype,scale", [
+    (torch.float32, 0.0),
+    pytest.param(torch.float32, 1e-9, marks=pytest.mark.slow), pytest.param(torch.float32, -1e-9, marks=pytest.mark.slow),
+    pytest.param(torch.bfloat16, 0.0, marks=pytest.mark.slow), pytest.param(torch.bfloat16, 1e-9, marks=pytest.mark.slow),
+    pytest.param(torch.bfloat16, -1e-9, marks=pytest.mark.slow), pytest.param(torch.float16, 0.0, marks=pytest.mark.slow),
+    pytest.param(torch.float16, 1e-9, marks=pytest.mark.slow), pytest.param(torch.float16, -1e-9, marks=pytest.mark.slow)],
+    ids=lambda x: str(x).replace("torch.", ""))
+def test_tail_with_a_zero_or_tiny_scale_matches_reference(dtype, scale, fresh):
+    """A zero scale (uniform attention, valid) or a tiny one with the tail on: the tail's logit
+    cannot travel as ``tail_lse / scale`` in the appended dims (a division by zero, or a value
+    past fp16's range), so below :data:`kernel.DIMS_SCALE_FLOOR` it comes from the ``score_mod``
+    in fp32; the output matches the reference (it had NaN rows, or a relative error of 1.7)."""
+    q, k, v = _inputs(torch.float32, seed=9, B=1)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    for kw in (dict(tau=1.0), dict(topk_ratio=0.4)):
+        want = solattn.sol_attn(q.float(), k.float(), v.float(), scale=scale, backend="reference", **kw)
+        got = solattn.sol_attn(q, k, v, scale=scale, backend="flex", **kw)
+        assert not torch.isnan(got).any(), f"{int(torch.isnan(got).any(-1).sum())} NaN rows, {kw}"
+        assert rel_l2(got.float(), want) < tolerance(dtype), kw
+
+
 def test_plan_block_mask_with_tail_slots_splits_partial_and_full_blocks():
     """The BlockMask the backend passes to its compiled call (the plan's own, with tail slots)
     holds exactly the plan's blocks plus the tail slot's block, ascending, partial (dead rows,

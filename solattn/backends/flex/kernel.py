@@ -13,7 +13,8 @@ One compiled function per call shape (:class:`Key`) computes SPEC.md's output fr
   ``tail_slots``), the value of slot ``i`` is query block ``i``'s tail value, the mask shows slot
   ``i`` only to query block ``i``, and it gets the logit ``tail_lse_i + scale q_t . m``: on the
   CPU as the product of q and k widened by :data:`TAIL_DIMS` dims (:func:`_tail_in_dims`), so
-  the exact blocks run no ``score_mod``; elsewhere from the ``score_mod``, in fp32.
+  the exact blocks run no ``score_mod``; elsewhere, and on the CPU at a scale below
+  :data:`DIMS_SCALE_FLOOR` (0 included), from the ``score_mod``, in fp32.
   The exact keys are used uncentred: every exact logit of row t is then ``scale q_t . m``
   larger than SPEC.md's centred one, and the tail's logit carries the same shift, so the
   softmax is SPEC.md's. Each query block attends one extra key block (its tail slot's).
@@ -57,6 +58,12 @@ RECOMPILE_LIMIT = 100_000
 #: on the CPU, query and key dims appended to carry the tail slot's logit (4 used, the rest zero
 #: so rows stay 32-byte aligned), instead of a ``score_mod`` evaluated on every score
 TAIL_DIMS = 16
+#: smallest ``|scale|`` at which the appended dims carry the tail's logit: they hold
+#: ``tail_lse / scale`` in the input dtype, split over two dims and scaled by a power of two
+#: (:func:`_unit`), which fp16 holds up to about 2.7e8 (``tail_lse`` up to 6.6e4 at 2^-12) and bf16
+#: or fp32 up to their range; below it (``scale=0`` included: uniform attention) the tail's
+#: logit comes from the ``score_mod``, in fp32, whatever the scale
+DIMS_SCALE_FLOOR = {torch.float16: 2.0 ** -12, torch.bfloat16: 2.0 ** -40, torch.float32: 2.0 ** -40}
 #: fp32 working memory of the coarse branch's add, bytes (it runs in chunks of whole blocks)
 COARSE_BYTES = 256 << 20
 #: flex_attention tile sizes on CUDA (forward BLOCK_M x BLOCK_N, backward M1 x N1 for dK/dV and
@@ -91,8 +98,10 @@ class Key:
     @property
     def tail_dims(self) -> int:
         """Dims appended to q and k for the tail slot's logit (:data:`TAIL_DIMS` on the CPU, with the
-        tail), else 0 (on other devices the ``score_mod`` gives it)."""
-        return TAIL_DIMS if self.tail and self.device.startswith("cpu") else 0
+        tail, at a scale of at least :data:`DIMS_SCALE_FLOOR`), else 0 (the ``score_mod`` gives it)."""
+        if not (self.tail and self.device.startswith("cpu")):
+            return 0
+        return TAIL_DIMS if abs(self.scale) >= DIMS_SCALE_FLOOR[self.dtype] else 0
 
     @property
     def key_len(self) -> int:
