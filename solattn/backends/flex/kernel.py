@@ -37,6 +37,7 @@ On CUDA the kernel's tile sizes are set to divide the 64 x 64 blocks of the mask
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import threading
 from dataclasses import dataclass
@@ -315,6 +316,9 @@ def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
     if p.block_len is not None:
         lengths = plan.block_len.clamp(max=BLOCK)
         live_rows = (torch.arange(BLOCK, device=p.device)[None, :] < lengths[:, None]).reshape(-1)
+    poison = _nan_queries(p, live_rows)
+    if poison is not None and key.tail:
+        poison, plan = _tail_poison(p, plan, poison, live_rows)
     q, k, v = _keys_values(key, p, plan, live_rows)
     with serial_cpu(p.device.type == "cpu"):     # small block-level ops (see serial_cpu)
         mask = plan.to_block_mask(tail_slots=key.tail, for_backward=False)
@@ -334,6 +338,38 @@ def flex_forward(p: Problem, plan: Plan) -> torch.Tensor:
     q, k, v, bias, tlog = (None if a is None else a.detach() for a in (q, k, v, bias, tlog))
     with _shape_limit():
         out = fn(q, k, v, mask, bias, tlog)
+    if poison is not None:
+        out.masked_fill_(poison[..., None], float("nan"))
     if plan.coarse is not None and p.coarse_gate is not None:     # SPEC.md: cast(fine) + gate * coarse
         out = add_coarse(out, p.coarse_gate.detach(), plan.coarse, COARSE_BYTES // (p.B * p.H * p.D * 12))
     return out
+
+
+def _nan_queries(p: Problem, live_rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``(B, T, H)`` bool: the live query rows holding a NaN, or None when there is none (the
+    common case: one reduction of q and a host sync, as this CPU path has anyway). The kernel
+    would return 0 for such a row, where SPEC.md's output is NaN: the caller writes it."""
+    sums = p.q.sum(-1)                  # NaN where a row holds one (or holds both infinities)
+    if not bool(torch.isnan(sums).any()):
+        return None
+    rows = torch.isnan(p.q).any(-1)
+    if live_rows is not None:
+        rows &= live_rows[:p.T].view(1, p.T, 1)
+    return rows if bool(rows.any()) else None
+
+
+def _tail_poison(p: Problem, plan: Plan, rows: torch.Tensor, live_rows: Optional[torch.Tensor]):
+    """A NaN query token makes its block's mean NaN, hence that block's tail terms when it has a
+    tail (SPEC.md: every live row of the block is then NaN). The tail slots of all query blocks
+    share key blocks, where one NaN value would reach every row (a zero weight times NaN), so the
+    kernel gets those terms as an empty tail (``-inf``, value 0) and the block's live rows are
+    added to ``rows``, which the caller fills with NaN. Returns ``(rows, plan)``."""
+    bad = torch.isnan(plan.tail_lse) | torch.isnan(plan.tail_value).any(-1)           # (B, H, n)
+    if not bool(bad.any()):
+        return rows, plan
+    plan = dataclasses.replace(plan, tail_lse=plan.tail_lse.masked_fill(bad, -math.inf),
+                               tail_value=plan.tail_value.masked_fill(bad[..., None], 0))
+    block_rows = bad.repeat_interleave(BLOCK, dim=-1)[..., :p.T].transpose(1, 2)       # (B, T, H)
+    if live_rows is not None:
+        block_rows = block_rows & live_rows[:p.T].view(1, p.T, 1)
+    return rows | block_rows, plan
