@@ -196,7 +196,9 @@ def exact_blocks(r, ii, jj, row_ok, ok, thr, theta, s0, s1, q0, q1,
         sel = r > thr[:, None]
     elif SEL == 1:
         is_sink = (jj >= s0) & (jj < s1)
-        sel = (order_key(r) >= theta[:, None]) & ~is_sink[None, :]
+        # a NaN score (a NaN query token's block) passes no comparison, as in the torch path: its
+        # order key would sort above +inf
+        sel = (order_key(r) >= theta[:, None]) & (r == r) & ~is_sink[None, :]
     else:
         sel = tl.zeros([BI, BJ], tl.int1)
     forced = tl.zeros([BI, BJ], tl.int1)
@@ -413,7 +415,7 @@ def pooled_kernel(Vm, Lens, Scratch, Theta, Thr, TailLse, TailValue, Coarse,
             c_max, c_sum, c_acc = pooled_update(z, c_max, c_sum, c_acc, vm, POOL_DOT)
     out = (gn + ii)[:, None] * HEAD_DIM + dims[None, :]
     if HAS_TAIL:
-        live = t_sum > 0.0
+        live = t_sum != 0.0         # a NaN sum (a NaN query token's block) stays NaN, as in the torch path
         lse = tl.where(live, (t_max + tl.log2(tl.where(live, t_sum, 1.0))) * 0.6931471805599453,
                        float("-inf"))
         tl.store(TailLse + gn + ii, lse, mask=row_ok)

@@ -73,11 +73,12 @@ def start_state(q, KeyMean, TailLse, TailValue, bh, plan_row, qk_scale,
         key_mean = tl.load(KeyMean + bh.to(tl.int64) * HEAD_DIM + dims)
         shift = tl.sum(q.to(tl.float32) * key_mean[None, :], 1) * qk_scale
         tail_lse = tl.load(TailLse + plan_row)
-        tail_live = tail_lse > float("-inf")
+        # only -inf is an empty tail: a NaN tail (a NaN query token in the block) stays NaN
+        tail_empty = tail_lse == float("-inf")
         m_i = shift + tail_lse * 1.4426950408889634
-        l_i = tl.where(tail_live, 1.0, 0.0) + tl.full([BLOCK], 0.0, tl.float32)
+        l_i = tl.where(tail_empty, 0.0, 1.0) + tl.full([BLOCK], 0.0, tl.float32)
         tail_value = tl.load(TailValue + plan_row * HEAD_DIM + dims)
-        acc = tl.where(tail_live, tail_value, 0.0)[None, :] + tl.full([BLOCK, HEAD_DIM], 0.0, tl.float32)
+        acc = tl.where(tail_empty, 0.0, tail_value)[None, :] + tl.full([BLOCK, HEAD_DIM], 0.0, tl.float32)
     else:
         m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
         l_i = tl.full([BLOCK], 0.0, tl.float32)
