@@ -7,7 +7,9 @@
     solattn.set_memory_budget(8 << 30, backend="reference")
 
 The ``sdpa`` budget bounds the portable backend's working memory beyond inputs and
-output (it sizes the chunks; results do not change). The ``reference`` budget is
+output, routing plan included, to 1.25 times the budget plus 32 MiB (it sizes the chunks;
+results do not change); a budget below a call's floor (what the plan and the per-call tables
+hold whatever the chunk sizes, :func:`solattn.backends.sdpa.memory.floor_bytes`) is refused. The ``reference`` budget is
 the most the dense oracle may allocate; above it the backend refuses with a reason.
 """
 

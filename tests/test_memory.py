@@ -167,3 +167,65 @@ def test_portable_backward_keeps_no_gathered_keys(tail):
     want = torch.autograd.grad(ref, leaves, w)
     for a, b in zip(got, want):
         assert rel_l2(a, b) < 1e-4
+
+
+def test_sdpa_refuses_a_budget_below_its_floor_and_runs_at_it():
+    """A budget below what the routing plan and the per-call tables hold whatever the chunk sizes
+    (:func:`floor_bytes`) is refused before any work, naming the budget, the floor and the shape;
+    at the floor the call runs and matches the reference. (Before, any budget was taken and
+    silently exceeded.)"""
+    import torch
+    import solattn
+    from solattn.backends.sdpa import floor_bytes_of
+    from solattn.testing import make_qkv, rel_l2
+    from solattn.validation import validate
+
+    q, k, v = make_qkv(1, 4096, 4, 64, seed=4)
+    floor = floor_bytes_of(validate(q, k, v, topk_ratio=0.1))
+    assert 300 << 10 < floor < 600 << 10                 # block means, plan outputs, tables: ~0.4 MiB
+    with solattn.memory_budget(floor - 1):
+        with pytest.raises(solattn.BackendError, match=r"memory budget of 0\.4 MiB .*below .*B=1 T=4096 H=4 D=64"):
+            solattn.sol_attn(q, k, v, topk_ratio=0.1, backend="sdpa")
+    with solattn.memory_budget(floor):
+        out = solattn.sol_attn(q, k, v, topk_ratio=0.1, backend="sdpa")
+    assert rel_l2(out, solattn.sol_attn(q, k, v, topk_ratio=0.1, backend="reference")) < 1e-5
+
+
+CALL_SCRIPT = textwrap.dedent("""
+    import ctypes, json, torch, solattn
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    B, T, D = 1, 262144, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
+    solattn.sol_attn(q[:, :4096], k[:, :4096], v[:, :4096], topk_ratio=0.1, backend="sdpa")   # warm up
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    with solattn.memory_budget(BUDGET):
+        out = solattn.sol_attn(q, k, v, topk_ratio=0.001, backend="sdpa")
+    peak = status("VmHWM")
+    print(json.dumps({"working": peak - before - out.numel() * out.element_size(),
+                      "finite": bool(torch.isfinite(out).all())}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
+@pytest.mark.parametrize("H,budget", [(4, 26 << 20), (4, 64 << 20),
+                                      pytest.param(24, 128 << 20, marks=pytest.mark.slow)],
+                         ids=["H4-26MiB-floor", "H4-64MiB", "H24-128MiB"])
+def test_sdpa_call_with_its_plan_within_budget_at_T_262144(H, budget):
+    """A whole call (routing plan included) at T=262144, bf16, top-k 0.1 %: its working memory
+    stays within 1.25 x the budget + BUDGET_SLACK at any budget the backend takes (at least the
+    floor: about 25 MiB at H=4, 110 MiB at H=24)."""
+    from solattn.backends.sdpa.memory import BUDGET_SLACK, floor_bytes
+    assert floor_bytes(1, 262144, H, 64, True, False, 0, False) <= budget
+    res = subprocess.run([sys.executable, "-c", f"BUDGET = {budget}\nH = {H}\n" + CALL_SCRIPT],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["finite"]
+    assert info["working"] <= 1.25 * budget + BUDGET_SLACK, (info["working"] / 2**20, budget / 2**20)

@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from ...routing import Plan
-from ...validation import Problem
+from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend
 from .forward import budget, sdpa_forward
+from .memory import floor_bytes
 from .tuning import SdpaTuning
 
 __all__ = ["SdpaBackend", "SdpaTuning", "budget", "sdpa_forward"]
@@ -53,5 +54,36 @@ class SdpaBackend(Backend):
             return ["torch.nn.functional.scaled_dot_product_attention missing (torch too old)"]
         return []
 
+    def problem_reasons(self, problem: Problem) -> List[str]:
+        """A memory budget below the call's floor (:func:`.memory.floor_bytes`): what the routing
+        plan and the per-call tables hold whatever the chunk sizes."""
+        need, have = floor_bytes_of(problem), budget.bytes
+        if have >= need:
+            return []
+        return [f"the memory budget of {_mib(have)} (solattn.memory_budget / set_memory_budget / "
+                f"SOLATTN_SDPA_BUDGET) is below the {_mib(need)} this call needs whatever its chunk sizes "
+                f"(the routing plan's block means and outputs and the per-call tables, which grow as "
+                f"B*H*T at B={problem.B} T={problem.T} H={problem.H} D={problem.D}); allowed: a budget of at "
+                f"least {_mib(need)}"]
+
     def forward(self, problem: Problem, plan: Plan) -> torch.Tensor:
         return sdpa_forward(problem, plan)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def floor_bytes_of(problem: Problem) -> int:
+    """:func:`.memory.floor_bytes` of a call, the index lists at their narrowest (the neighbours,
+    the top-k count and the sink blocks)."""
+    from ...routing.select import topk_count
+    n = problem.n
+    width = 3
+    if problem.topk_ratio > 0:
+        width = max(width, topk_count(problem.topk_ratio, n))
+    if problem.sink_blocks is not None:
+        width += max(0, min(n, problem.sink_blocks[1]) - problem.sink_blocks[0])
+    masked = problem.key_bias is not None or problem.block_len is not None or problem.T % BLOCK != 0
+    return floor_bytes(problem.B, problem.T, problem.H, problem.D, problem.tail, problem.coarse_gate is not None,
+                       0 if problem.key_bias is None else problem.key_bias.shape[0], masked, min(n, width))

@@ -101,6 +101,33 @@ def fixed_bytes(B: int, T: int, H: int, n: int, bias_rows: int, masked: bool, ta
     return table + residual + 4 * n * BLOCK * _INDEX + B * H * n * 8 * 4
 
 
+def floor_bytes(B: int, T: int, H: int, D: int, tail: bool, coarse: bool, bias_rows: int, masked: bool,
+                width: int = 3) -> int:
+    """The least working memory a call takes whatever its budget (beyond inputs and output): the
+    routing plan's fp32 block means of q, k and v and its outputs (counts, index lists at least
+    ``width`` wide, the tail's value and log-weight, the coarse term), and this backend's per-call
+    tables (:func:`fixed_bytes`). It grows as B H T: at B=1, T=262144, D=64 with the tail, about
+    25 MiB at H=4, 33 at H=6, 59 at H=12, 110 at H=24. A budget below it is refused (the
+    backend's reasons say so); at or above it a call's working memory, plan included, stays
+    within the budget times 1.25 plus :data:`BUDGET_SLACK`."""
+    n = -(-T // BLOCK)
+    pairs = B * H * n
+    plan = 3 * pairs * D * 4 + pairs * (4 + 4 * min(n, width) + 1)    # block means; counts, lists, flags
+    if tail:
+        plan += pairs * (D + 1) * 4                                     # tail value and log-weight
+    if coarse:
+        plan += pairs * D * 4
+    return plan + fixed_bytes(B, T, H, n, bias_rows, masked, tail)
+
+
+#: what a call may take beyond 1.25 times its budget (a budget at least :func:`floor_bytes`):
+#: allocator and library scratch that no chunk size bounds (SDPA's per-thread buffers, freed heap
+#: not yet returned). Measured at T=262144, H=4, D=64, bf16, top-k 0.1 % on a 2-core CPU (resident
+#: peak of the whole call): 34-36 MiB at a 26 MiB budget (the floor), 38-62 MiB at 32 MiB, 40-52 MiB
+#: at 64 MiB; H=24: 122 MiB at 128 MiB
+BUDGET_SLACK = 32 << 20
+
+
 def residual_token_bytes(B: int, H: int, D: int) -> int:
     """Bytes per token of the tail-residual pass: q's fp32 copy and the copy the batched dot may
     make of it, then the residuals and their masked and centred temporaries (fp32)."""
