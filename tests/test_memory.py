@@ -214,7 +214,7 @@ CALL_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
-@pytest.mark.parametrize("H,budget", [(4, 26 << 20), (4, 64 << 20),
+@pytest.mark.parametrize("H,budget", [(4, 26 << 20), pytest.param(4, 64 << 20, marks=pytest.mark.slow),
                                       pytest.param(24, 128 << 20, marks=pytest.mark.slow)],
                          ids=["H4-26MiB-floor", "H4-64MiB", "H24-128MiB"])
 def test_sdpa_call_with_its_plan_within_budget_at_T_262144(H, budget):
