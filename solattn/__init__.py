@@ -16,7 +16,8 @@ from .backends.reference import ReferenceBackend as _ReferenceBackend
 from .backends.flex import FlexBackend as _FlexBackend
 from .backends.sdpa import SdpaBackend as _SdpaBackend
 from .budget import memory_budget, set_memory_budget
-from .dispatch import BackendError, best_device, list_backends, use_backend
+from .devices import best_device
+from .dispatch import BackendError, list_backends, use_backend
 from .dispatch import register as register_backend
 from .graphs import cuda_graphs
 from .ops import plan, sol_attn

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch
 
-from . import dispatch
+from . import devices, dispatch
 from .bench.parsing import ArgParser, device_arg
 from .routing import build_plan, live_lengths, live_token_mask
 from .testing import block_structured_qkv
@@ -24,9 +24,9 @@ from .validation import validate
 def _devices() -> List[str]:
     """Present devices, GPUs with their names."""
     def named(d):
-        kind = d.split(":")[0]
-        return f"{d} ({getattr(torch, kind).get_device_name(int(d.split(':')[1]))})" if kind in ("cuda", "xpu") else d
-    return [named(d) for d in dispatch.present_devices()]
+        name = devices.device_name(d)
+        return f"{d} ({name})" if name else d
+    return [named(d) for d in devices.present_devices()]
 
 
 def info(args) -> int:
@@ -55,10 +55,10 @@ def _comfy_kitchen_plugin() -> str:
     if not value:
         return f"comfy-kitchen plug-in: off ({plugin.ENV_VAR} is unset; see docs/comfyui.md)"
     try:
-        devices = plugin.install_from_env()
+        installed = plugin.install_from_env()
     except (ImportError, ValueError, RuntimeError) as exc:
         return f"comfy-kitchen plug-in: {plugin.ENV_VAR}={value!r} asks for it, but it is not installed: {exc}"
-    return f"comfy-kitchen plug-in: installed for {', '.join(devices) or 'no device'} ({plugin.ENV_VAR}={value!r})"
+    return f"comfy-kitchen plug-in: installed for {', '.join(installed) or 'no device'} ({plugin.ENV_VAR}={value!r})"
 
 
 def _check_problems(device):
@@ -89,7 +89,7 @@ def _wrapped(text: str, indent: int) -> str:
 def check(args) -> int:
     from .backends.reference import reference_forward
     from .testing import tolerance
-    device = args.device if args.device is not None else dispatch.best_device()
+    device = args.device if args.device is not None else devices.best_device()
     rows, failed = [], False
     infos = [b for b in dispatch.list_backends(device)
              if b["name"] != "reference" and (not args.backends or b["name"] in args.backends)]

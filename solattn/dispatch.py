@@ -4,7 +4,8 @@ Order of precedence: an explicit ``backend=`` argument, then the innermost
 ``use_backend(...)`` block, then the ``SOLATTN_BACKEND`` environment variable
 (a preference: if that backend cannot run a call, solattn warns once and falls
 back to the priority list), then the per-device-type priority list: the built-in
-order in ``PRIORITY`` with the positions given to ``register(backend, priority=...)``.
+order of the device type's entry (``solattn.devices.DEVICES``) with the positions given to
+``register(backend, priority=...)``.
 """
 
 from __future__ import annotations
@@ -19,20 +20,10 @@ import torch
 
 from .backends.base import Backend
 from .compiling import tracing
+from .devices import best_device, entry
 from .validation import Problem
 
 _REGISTRY: Dict[str, Backend] = {}
-
-#: the built-in backends' order per device type; the first backend with no reasons wins,
-#: names not registered are skipped, and so is a backend whose ``automatic(device_type)``
-#: says False there (``flex``: taken first only where it measured faster, see its module)
-PRIORITY: Dict[str, List[str]] = {
-    "cuda": ["triton", "sdpa", "reference"],
-    "xpu": ["flex", "sdpa", "triton", "reference"],
-    "mps": ["sdpa", "reference"],
-    "cpu": ["flex", "sdpa", "reference"],
-}
-_DEFAULT_PRIORITY = ["sdpa", "reference"]
 
 #: positions given at registration: backend name -> {device type (or "*" for every type): index}
 _POSITIONS: Dict[str, Dict[str, int]] = {}
@@ -127,11 +118,14 @@ def registered() -> List[str]:
 
 
 def priority(device_type: str) -> List[str]:
-    """The registered backends the automatic choice tries on ``device_type``, in order."""
+    """The registered backends the automatic choice tries on ``device_type``, in order: the
+    device type's built-in order (``solattn.devices``), less the names not registered and the
+    backends whose ``automatic(device_type)`` says False (``flex``: taken first only where it
+    measured faster, see its module), with the positions given at registration."""
     placed = {n: p.get(device_type, p.get("*")) for n, p in _POSITIONS.items()}
     placed = {n: i for n, i in placed.items() if i is not None}
-    order = [n for n in PRIORITY.get(device_type, _DEFAULT_PRIORITY) if n in _REGISTRY and n not in placed
-             and getattr(_REGISTRY[n], "automatic", lambda _: True)(device_type)]
+    order = [n for n in entry(device_type).priority if n in _REGISTRY and n not in placed
+             and _REGISTRY[n].automatic(device_type)]
     for name, i in placed.items():   # in registration order
         order.insert(min(i, len(order)), name)
     return order
@@ -272,23 +266,3 @@ def as_device(fn: str, device) -> torch.device:
         exc = TypeError if not isinstance(device, (str, int)) else ValueError
         raise exc(f"{fn}: argument 'device' received {device!r}; allowed: None, a torch.device or a device "
                   f"string such as 'cpu', 'cuda', 'cuda:1', 'xpu' or 'mps' ({err})") from None
-
-
-def present_devices() -> List[str]:
-    """Device names this torch can use here: ``cpu``, then ``cuda:i``, ``xpu:i``, ``mps``."""
-    devs = ["cpu"]
-    if torch.cuda.is_available():
-        devs += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        devs += [f"xpu:{i}" for i in range(xpu.device_count())]
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        devs.append("mps")
-    return devs
-
-
-def best_device() -> torch.device:
-    """cuda > xpu > mps > cpu: the first present."""
-    types = {d.split(":")[0] for d in present_devices()}
-    return torch.device(next(t for t in ("cuda", "xpu", "mps", "cpu") if t in types))

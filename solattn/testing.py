@@ -26,7 +26,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import dispatch
+from . import devices, dispatch
 from .validation import BLOCK
 
 __all__ = ["TOLERANCE", "tolerance", "rel_l2", "assert_close", "device_types", "block_structured_qkv",
@@ -67,8 +67,8 @@ def assert_close(out: torch.Tensor, want: torch.Tensor, tol: Optional[float] = N
 
 
 def device_types() -> List[str]:
-    """Device types present here (``cpu`` first), from :func:`solattn.dispatch.present_devices`."""
-    return list(dict.fromkeys(d.split(":")[0] for d in dispatch.present_devices()))
+    """Device types present here (``cpu`` first), from :func:`solattn.devices.present_devices`."""
+    return list(dict.fromkeys(d.split(":")[0] for d in devices.present_devices()))
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -41,8 +41,11 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 
 os.environ["SOLATTN_FLEX_CPU"] = "0"
 
-_GPU_TYPES = ("cuda", "xpu", "mps")
-_GPU_REASON = re.compile(r"\b(CUDA|GPU|XPU|MPS)\b")
+from solattn.devices import accelerator_types  # noqa: E402 (after the environment is set)
+
+#: the accelerators of solattn's device table (cuda, xpu, mps), and a skip reason that names one
+_GPU_TYPES = tuple(accelerator_types())
+_GPU_REASON = re.compile(r"\b(" + "|".join(["GPU", *(t.upper() for t in _GPU_TYPES)]) + r")\b")
 
 
 def _is_gpu_device(value) -> bool:

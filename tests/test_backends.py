@@ -9,13 +9,14 @@ is unambiguous at every dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import solattn
-from solattn import BLOCK, dispatch
+from solattn import BLOCK, devices, dispatch
 from solattn.routing import build_plan
 from solattn.testing import TOLERANCE as TOL
 from solattn.testing import (BackendCase, backend_cases, dense_attention, dense_gradient_error, make_qkv,
@@ -347,19 +348,22 @@ def test_scoped_reference_budget_makes_it_refuse():
     assert torch.isfinite(solattn.sol_attn(q, k, v, backend="reference")).all()
 
 
+def _masks_in_input_dtype(monkeypatch):
+    """The CPU's sdpa masks in q's dtype, as on a GPU (its device entry's ``fp32_masks`` off)."""
+    monkeypatch.setitem(devices.DEVICES, "cpu", dataclasses.replace(devices.DEVICES["cpu"], fp32_masks=False))
+
 
 @pytest.mark.parametrize("feature", ["topk", "tau", "key_bias", "bool_bias", "block_len", "everything"])
 def test_sdpa_masks_in_input_dtype_as_on_gpus(feature, monkeypatch):
     """The mask-dtype branch taken on CUDA/XPU/MPS (mask in q's dtype), forced on the CPU: results
     match the reference, and the tail stays as precise as with fp32 masks."""
-    from solattn.backends import sdpa as sdpamod
     B, T, H, D = 2, 700, 2, 64
     q, k, v = make_qkv(B, T, H, D, dtype=torch.bfloat16, seed=11)
     feats, bl = _features(B, T, H, D, "cpu", torch.bfloat16, seed=3)
     kw = feats[feature]
     want = solattn.sol_attn(q, k, v, backend="reference", **kw)
     fp32 = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
-    monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+    _masks_in_input_dtype(monkeypatch)
     got = solattn.sol_attn(q, k, v, backend="sdpa", **kw)
     live = _live_rows(T, bl) if "block_len" in kw else torch.ones(T, dtype=torch.bool)
     err, err32 = rel_l2(got[:, live], want[:, live]), rel_l2(fp32[:, live], want[:, live])
@@ -431,8 +435,7 @@ def test_nan_in_dead_rows_never_reaches_an_output(case):
 def test_huge_finite_biases_with_masks_in_input_dtype(dtype, monkeypatch):
     """The GPU mask branch (mask in q's dtype) forced on the CPU: a finite bias beyond the
     dtype's range is clamped into it, not turned into -inf (which zeroed rows on an H200)."""
-    from solattn.backends import sdpa as sdpamod
-    monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+    _masks_in_input_dtype(monkeypatch)
     test_huge_finite_biases_stay_finite(BackendCase("sdpa", "cpu"), dtype, monkeypatch)
 
 
@@ -454,9 +457,8 @@ def _log2_prescaling_sdpa(q, k, v, attn_mask=None, scale=None):
 def test_huge_finite_bias_survives_log2_prescaling_kernels(dtype, gpu_masks, monkeypatch):
     """Every finite mask entry times log2(e) stays finite in fp32: a bias of finfo(fp32).min on
     every key ran as all-zero rows on an H200 when the bf16 mask held -3.39e38."""
-    from solattn.backends import sdpa as sdpamod
     if gpu_masks:
-        monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+        _masks_in_input_dtype(monkeypatch)
     T = 300
     q, k, v = make_qkv(1, T, 2, 64, dtype=dtype, seed=22)
     for tail in (False, True):
@@ -476,9 +478,8 @@ def test_sdpa_bf16_tail_error_does_not_grow_with_logits(gpu_masks, monkeypatch):
     """bf16 inputs are exact; the tail must not make the error grow with |logit| (it did when the
     keys were centred in fp32 and rounded back to bf16). With the tail the error stays at the level
     of the same call without it, up to max |logit| ~ 2000, with the mask in fp32 and in bf16."""
-    from solattn.backends import sdpa as sdpamod
     if gpu_masks:
-        monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+        _masks_in_input_dtype(monkeypatch)
     B, T, H, D = 1, 1024, 2, 128
     q0, k, v = make_qkv(B, T, H, D, dtype=torch.float32, seed=31)
     k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
@@ -503,7 +504,7 @@ def test_sdpa_tail_mask_per_row_only_where_the_residual_varies(gpu_masks, monkey
     Either way the output matches the reference at bf16 precision."""
     from solattn.backends import sdpa as sdpamod
     if gpu_masks:
-        monkeypatch.setattr(sdpamod.masks, "FP32_MASK_DEVICES", frozenset())
+        _masks_in_input_dtype(monkeypatch)
     groups = []
     real = sdpamod.forward.group_rows
     monkeypatch.setattr(sdpamod.forward, "group_rows", lambda *a: groups.append(real(*a)) or groups[-1])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 
+import dataclasses
+
 import pytest
 import torch
 
 import solattn
 from solattn.validation import validate
-from solattn import dispatch
+from solattn import devices, dispatch
 from solattn.backends import reference as refmod
 from solattn.testing import make_qkv
 
@@ -74,7 +76,7 @@ def test_nothing_can_run_lists_every_backend(monkeypatch):
     monkeypatch.setattr(refmod.budget, "_value", 1024)
     q, k, v = make_qkv(1, 100, 2, 8)
     p = validate(q, k, v)
-    monkeypatch.setitem(dispatch.PRIORITY, "cpu", ["reference"])
+    monkeypatch.setitem(devices.DEVICES, "cpu", dataclasses.replace(devices.DEVICES["cpu"], priority=("reference",)))
     with pytest.raises(solattn.BackendError) as ei:
         dispatch.choose(p)
     msg = str(ei.value)
@@ -421,7 +423,7 @@ def test_register_rejects_bad_priorities():
 def test_nothing_can_run_table_walks_the_selection_order(monkeypatch, toy_registered):
     toy_registered(priority={"cpu": 0}, refuse="toy refuses")
     monkeypatch.setattr(refmod.budget, "_value", 1024)
-    monkeypatch.setitem(dispatch.PRIORITY, "cpu", ["reference"])
+    monkeypatch.setitem(devices.DEVICES, "cpu", dataclasses.replace(devices.DEVICES["cpu"], priority=("reference",)))
     p = validate(*make_qkv(1, 100, 2, 8))
     with pytest.raises(solattn.BackendError) as ei:
         dispatch.choose(p)

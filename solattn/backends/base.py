@@ -123,6 +123,11 @@ class Backend:
         """Backend-specific reasons it cannot run ``problem`` (memory budgets, ...)."""
         return []
 
+    def automatic(self, device_type: str) -> bool:
+        """Whether the automatic choice may take this backend on ``device_type`` where the device
+        type's built-in order lists it (False: it runs there only when asked for by name)."""
+        return True
+
     def automatic_reasons(self, problem: Problem) -> List[str]:
         """Reasons the automatic choice passes this backend over for ``problem`` although it could
         run it when asked for by name (a compile that would not pay for itself, ...)."""

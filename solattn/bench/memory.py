@@ -1,5 +1,6 @@
-"""Peak memory of one call: the allocator's high-water mark on CUDA / XPU, the resident set
-size on a Linux CPU (a lower bound), and no number elsewhere.
+"""Peak memory of one call: the allocator's high-water mark where the device keeps one (CUDA /
+XPU, :func:`solattn.devices.allocator`), the resident set size on a Linux CPU (a lower bound),
+and no number elsewhere.
 
 Nothing here needs a POSIX module at import time: ``resource`` is imported when used, and
 where it (or ``/proc``) is missing the figure degrades to what can still be measured.
@@ -14,7 +15,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .timing import synchronize
+from ..devices import allocator, synchronize
 
 
 def _rss_bytes() -> Optional[int]:
@@ -79,8 +80,8 @@ def measure_peak(fn: Callable[[], torch.Tensor],
     basis: ``allocator`` (exact), ``rss>=`` (CPU resident set, a lower bound) or ``n/a``."""
     device = torch.device(device)
     kind = device.type
-    if kind in ("cuda", "xpu") and hasattr(getattr(torch, kind), "max_memory_allocated"):
-        mod = getattr(torch, kind)
+    mod = allocator(device)
+    if mod is not None:
         synchronize(device)
         mod.reset_peak_memory_stats(device)
         before = mod.memory_allocated(device)

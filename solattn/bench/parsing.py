@@ -11,7 +11,7 @@ from typing import Dict, List, NamedTuple, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
-from .. import dispatch
+from .. import devices, dispatch
 from .models import Shape
 from .peers import PEERS, VSA_PEERS
 
@@ -89,7 +89,7 @@ class ArgParser(argparse.ArgumentParser):
 
 def parse_device(text: str, option: str = "--device") -> torch.device:
     """A device name -> ``torch.device``, refused with :class:`UsageError` unless it is present here."""
-    present = dispatch.present_devices()
+    present = devices.present_devices()
     allowed = f"a device present here: {', '.join(present)}"
     try:
         device = torch.device(text)
@@ -231,7 +231,7 @@ class Config:
 
 def resolve(args: argparse.Namespace) -> Config:
     """The options -> a :class:`Config`; a bad value raises :class:`UsageError` before any work."""
-    device = args.device if args.device is not None else dispatch.best_device()
+    device = args.device if args.device is not None else devices.best_device()
     on_cpu = device.type == "cpu"
     dtype = DTYPES[args.dtype]
     vsa = _vsa_problems(args.shapes or [], args.quick)

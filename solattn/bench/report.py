@@ -11,6 +11,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from ..devices import device_name
 from .models import model_text
 from .parsing import DENSE, DTYPE_NAMES, Config
 
@@ -148,12 +149,7 @@ def write_csv(rows: List[dict], path: str, columns: Sequence[str] = COLUMNS) -> 
 
 def environment(cfg: Config) -> Dict[str, str]:
     dev = cfg.device
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-    elif dev.type == "xpu":
-        name = torch.xpu.get_device_name(dev)
-    else:
-        name = platform.processor() or platform.machine()
+    name = device_name(dev) or platform.processor() or platform.machine()
     env = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "device": f"{dev} ({name})",
            "torch": torch.__version__, "python": platform.python_version(),
            "cpu threads (torch)": str(torch.get_num_threads()), "cpu cores": str(os.cpu_count()),

@@ -1,4 +1,4 @@
-"""Timing: progress lines, device synchronisation and per-call times.
+"""Timing: progress lines and per-call times.
 
 One timing method for every benchmark: each timed call starts with the device idle and, on a
 GPU, with its L2 cache flushed (a write over a buffer larger than any L2), so no call is timed
@@ -17,6 +17,8 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
+from ..devices import current_device, entry, synchronize, timing_events
+
 _T0 = time.perf_counter()
 
 
@@ -31,30 +33,19 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (no-op on the CPU)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xpu":
-        torch.xpu.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 #: bytes written to flush a GPU's L2 before a timed call (an H200 has 60 MiB of L2)
 L2_FLUSH_BYTES = 256 << 20
 _flush_buffers: Dict[torch.device, torch.Tensor] = {}
 
 
 def flush_l2(device: torch.device) -> None:
-    """Evict the device's L2 cache by writing over a 256 MiB buffer (CUDA and XPU; a no-op on
-    the CPU and MPS). The buffer is allocated once per device and kept."""
+    """Evict the device's L2 cache by writing over a 256 MiB buffer (where its entry in
+    :mod:`solattn.devices` asks for it: CUDA and XPU; a no-op on the CPU and MPS). The buffer is
+    allocated once per device and kept."""
     device = torch.device(device)
-    if device.type not in ("cuda", "xpu"):
+    if not entry(device.type).l2_flush:
         return
-    if device.index is None:
-        device = torch.device(device.type, getattr(torch, device.type).current_device())
+    device = current_device(device)
     buf = _flush_buffers.get(device)
     if buf is None:
         buf = _flush_buffers[device] = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
@@ -64,21 +55,23 @@ def flush_l2(device: torch.device) -> None:
 def time_calls(fn: Callable[[], object], device: torch.device, repeats: int,
                warmup: int = 0) -> List[float]:
     """Milliseconds of ``repeats`` calls of ``fn``, after ``warmup`` untimed calls: the device
-    synchronised and (GPU) its L2 flushed before each call; CUDA: events around the call;
-    elsewhere ``perf_counter`` until the device is synchronised again."""
+    synchronised and (GPU) its L2 flushed before each call; events around the call where the
+    device's entry times by events (CUDA), elsewhere ``perf_counter`` until the device is
+    synchronised again."""
     device = torch.device(device)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         flush_l2(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
+        events = timing_events(device)
+        if events is not None:
+            start, end = events
+            synchronize(device)
             start.record()
             fn()
             end.record()
-            torch.cuda.synchronize(device)
+            synchronize(device)
             times.append(start.elapsed_time(end))
         else:
             synchronize(device)

@@ -46,14 +46,19 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from .. import dispatch, ops
+from ..backends.sdpa import SdpaBackend
+from ..devices import DEVICES, present_devices
 from ..validation import validate
 
 #: the name this plug-in takes in comfy-kitchen's registry
 BACKEND_NAME = "solattn"
 #: the solattn backend that runs every call the plug-in accepts
 SOLATTN_BACKEND = "sdpa"
-#: device types the plug-in may be installed for
-ALLOWED_DEVICES = ("xpu", "cpu", "mps")
+#: device types where comfy-kitchen runs ``sol_attn`` with kernels of its own (its ``cuda`` backend)
+OWN_KERNEL_DEVICES = frozenset({"cuda"})
+#: device types the plug-in may be installed for: those the portable backend declares, in the
+#: order of solattn's device table, less those comfy-kitchen has its own kernels for
+ALLOWED_DEVICES = tuple(t for t in DEVICES if t in SdpaBackend.devices and t not in OWN_KERNEL_DEVICES)
 #: environment variable read by :func:`install_from_env`
 ENV_VAR = "SOLATTN_COMFY_KITCHEN"
 
@@ -313,11 +318,11 @@ def installed_devices() -> Optional[Tuple[str, ...]]:
 
 
 def available_devices(include_cpu: bool = True) -> Tuple[str, ...]:
-    """Device types present here that the plug-in can serve: ``xpu`` and ``mps`` when
-    available, then ``cpu`` (unless ``include_cpu`` is False)."""
-    from ..dispatch import present_devices
+    """Device types present here that the plug-in can serve: the accelerators of
+    :data:`ALLOWED_DEVICES` (``xpu``, ``mps``) when available, then ``cpu`` (unless
+    ``include_cpu`` is False)."""
     types = {name.split(":")[0] for name in present_devices()}
-    return tuple(t for t in ("xpu", "mps") if t in types) + (("cpu",) if include_cpu else ())
+    return tuple(t for t in ALLOWED_DEVICES if DEVICES[t].accelerator and t in types) + (("cpu",) if include_cpu else ())
 
 
 def install_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[str, ...]]:

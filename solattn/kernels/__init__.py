@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from ..devices import entry
+
 
 def interpreting() -> bool:
     """Whether ``TRITON_INTERPRET=1`` is set now (read per call: tests set it after import)."""
@@ -83,9 +85,10 @@ def triton_installed() -> bool:
 
 
 def on_device(device: torch.device):
-    """A context in which Triton launches on ``device``: they take the current CUDA device (and its
-    stream), which need not be the tensors'; nothing to switch elsewhere."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    """A context in which Triton launches on ``device``: on a device type solattn's kernels are
+    compiled for (:mod:`solattn.devices`) they take its current device (and its stream), which
+    need not be the tensors'; nothing to switch elsewhere."""
+    return getattr(torch, device.type).device(device) if entry(device.type).triton else contextlib.nullcontext()
 
 
 def pow2(x: int) -> int:
@@ -94,9 +97,10 @@ def pow2(x: int) -> int:
 
 
 def triton_runs_on(device: torch.device) -> bool:
-    """Whether solattn's Triton kernels run for tensors on ``device``: a CUDA device, or the CPU
-    under ``TRITON_INTERPRET=1`` (tests), with Triton importable."""
-    return (device.type == "cuda" or (device.type == "cpu" and interpreting())) and triton_installed()
+    """Whether solattn's Triton kernels run for tensors on ``device``: a device type they are
+    compiled for (:mod:`solattn.devices`: CUDA), or the CPU under ``TRITON_INTERPRET=1`` (tests),
+    with Triton importable."""
+    return (entry(device.type).triton or (device.type == "cpu" and interpreting())) and triton_installed()
 
 
 __all__ = ["cuda_capability", "device_constant", "interpret_on", "interpretable", "interpreting", "on_device",

@@ -13,29 +13,27 @@ from typing import Optional
 
 import torch
 
+from ..devices import TOPK_METHODS, entry
 from ..validation import Problem
 from .plan import _SERIAL_SCORES, Selector
 from .stats import BlockStats, parallel_cpu, serial_cpu
 
-TOPK_METHODS = ("topk", "sort")
-
-
 def default_topk_method(device: torch.device, n: int) -> str:
     """How to find the k-th largest routing score on this device.
 
-    ``torch.topk`` is reported to crash on XPU (torch 2.13) above 2048 elements in
-    bf16/fp32 and to fail above 4096 fp32 elements elsewhere, so XPU and rows
-    longer than 4096 blocks use a full sort (exact, same result). The environment
-    variable ``SOLATTN_TOPK=topk|sort`` overrides the choice.
+    ``torch.topk`` is reported to fail above 4096 fp32 elements, so rows longer than 4096
+    blocks use a full sort (exact, same result); so does a device whose entry says so
+    (:mod:`solattn.devices`: XPU, where it is reported to crash above 2048 elements). The
+    environment variable ``SOLATTN_TOPK=topk|sort`` overrides the choice.
     """
     env = os.environ.get("SOLATTN_TOPK", "").strip().lower()
     if env:
         if env not in TOPK_METHODS:
             raise ValueError(f"SOLATTN_TOPK received {env!r}; allowed: one of {TOPK_METHODS}")
         return env
-    if device.type == "xpu" or n > 4096:
+    if n > 4096:
         return "sort"
-    return "topk"
+    return entry(device.type).topk
 
 
 #: scores from which the CPU's search for the k-th largest runs on the caller's threads inside a

@@ -12,13 +12,9 @@ from typing import Optional
 
 import torch
 
+from ...devices import entry
 from ...routing import Plan
 from ...validation import BLOCK, Problem
-
-#: Device types whose SDPA computes correctly with an fp32 additive mask on bf16/fp16 inputs.
-#: CUDA is not one: torch 2.11 on an H200 accepted an fp32 mask but returned NaN and wrong rows
-#: once it held -inf; XPU and MPS were never run. Elsewhere the mask takes q's dtype.
-FP32_MASK_DEVICES = frozenset({"cpu"})
 
 #: Largest magnitude a finite mask entry keeps. Fused GPU kernels multiply logit + mask by
 #: log2(e) in fp32 before exponentiating: bf16's own limit (3.39e38) times 1.44 overflows to
@@ -28,8 +24,9 @@ MASK_LIMIT = 1e30
 
 
 def mask_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """Additive masks in fp32 where the device's SDPA is known to handle them, else q's dtype."""
-    return torch.float32 if device.type in FP32_MASK_DEVICES else dtype
+    """Additive masks in fp32 where the device's SDPA is known to handle them (its entry's
+    ``fp32_masks``, :mod:`solattn.devices`), else q's dtype."""
+    return torch.float32 if entry(device.type).fp32_masks else dtype
 
 
 def finite_limit(mdt: torch.dtype) -> float:
