@@ -35,6 +35,8 @@ def info(args) -> int:
     print("devices: " + ", ".join(_devices()))
     for dev in sorted({d.split(":")[0].split(" ")[0] for d in _devices()}):
         print(f"\nbackends on {dev} (priority: {' > '.join(dispatch.priority(dev)) or 'none'})")
+        for note in devices.entry(dev).known_broken:
+            print("  " + _wrapped(f"known on {dev}: {note}", 2))
         for b in dispatch.list_backends(dev):
             state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
             print(f"  {b['name']:<10} {state}")

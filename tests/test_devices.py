@@ -89,3 +89,16 @@ def test_backend_declares_automatic():
     for name in dispatch.registered():
         assert isinstance(dispatch.get_backend(name).automatic("cpu"), bool)
     assert dispatch.get_backend("reference").automatic("cuda") is True
+
+
+def test_info_prints_the_known_broken_notes(fake_device, monkeypatch, capsys):
+    """``python -m solattn info`` shows an entry's known-broken notes under its present device type."""
+    import dataclasses
+    from solattn import cli
+    monkeypatch.setitem(devices.DEVICES, "hpu", dataclasses.replace(devices.DEVICES["hpu"],
+                                                                    known_broken=("torch.sort is slow",)))
+    assert cli.info(None) == 0
+    out = capsys.readouterr().out
+    assert "devices: cpu, hpu:0, hpu:1" in out
+    assert "backends on hpu (priority: reference > sdpa)" in out and "known on hpu: torch.sort is slow" in out
+    assert "known on cpu" not in out
