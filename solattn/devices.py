@@ -5,8 +5,8 @@ A device type is one :class:`DeviceType` in :data:`DEVICES` plus the backends th
 device types: the built-in backends' automatic order (:mod:`solattn.dispatch`), which devices are
 present and which is best, synchronisation, timing events and allocator statistics (the
 benchmarks), how routing finds the k-th largest score, the dtype of the ``sdpa`` backend's
-additive masks, whether solattn's Triton kernels are compiled for it, and what is known broken
-there. Runtime calls go through ``torch.accelerator`` where it serves the device type (the one
+additive masks, whether solattn's Triton kernels are compiled for it, which ``torch.distributed``
+backend runs collectives there, and what is known broken there. Runtime calls go through ``torch.accelerator`` where it serves the device type (the one
 accelerator this torch build was made for), else through the type's own module (``torch.cuda``,
 ``torch.xpu``, ``torch.mps``); an entry may give its own ``count`` and ``synchronize``.
 
@@ -51,6 +51,8 @@ class DeviceType:
     timing_events: bool = False
     #: its allocator keeps peak statistics (benchmarks read the extra memory of a call from them)
     allocator_stats: bool = False
+    #: the ``torch.distributed`` backend that runs collectives on it (None: none known)
+    collectives: Optional[str] = None
     #: device names carry an index (``cuda:0``); False: one device, named by its type (``mps``)
     indexed: bool = True
     #: what is known broken there, and what solattn does about it (``python -m solattn info``)
@@ -74,18 +76,19 @@ def _mps_count() -> int:
 #: every device type solattn knows, the preferred first (``best_device``: cuda > xpu > mps > cpu)
 DEVICES: Dict[str, DeviceType] = {d.name: d for d in (
     DeviceType("cuda", priority=("triton", "sdpa", "reference"), triton=True, l2_flush=True,
-               timing_events=True, allocator_stats=True, known_broken=(
+               timing_events=True, allocator_stats=True, collectives="nccl", known_broken=(
                    "SDPA with an fp32 additive mask on bf16/fp16 inputs returned NaN and wrong rows once the "
                    "mask held -inf (torch 2.11, H200): sdpa masks take q's dtype",)),
     DeviceType("xpu", priority=("flex", "sdpa", "triton", "reference"), topk="sort", l2_flush=True,
-               allocator_stats=True,
+               allocator_stats=True, collectives="xccl",
                known_broken=(
                    "torch.topk is reported to crash above 2048 bf16/fp32 elements (torch 2.13): routing "
                    "finds the k-th largest score by a full sort",
                    "the triton and flex backends were not yet run on real Intel hardware: opt-ins "
                    "SOLATTN_TRITON_XPU=1 and SOLATTN_FLEX_XPU=1")),
     DeviceType("mps", priority=("sdpa", "reference"), indexed=False, count=_mps_count),
-    DeviceType("cpu", priority=("flex", "sdpa", "reference"), accelerator=False, fp32_masks=True),
+    DeviceType("cpu", priority=("flex", "sdpa", "reference"), accelerator=False, fp32_masks=True,
+               collectives="gloo"),
 )}
 
 

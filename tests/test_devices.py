@@ -102,3 +102,17 @@ def test_info_prints_the_known_broken_notes(fake_device, monkeypatch, capsys):
     assert "devices: cpu, hpu:0, hpu:1" in out
     assert "backends on hpu (priority: reference > sdpa)" in out and "known on hpu: torch.sort is slow" in out
     assert "known on cpu" not in out
+
+
+def test_init_from_env_takes_the_first_present_device_with_collectives(fake_device, monkeypatch):
+    """Without ``device_type``, ``init_from_env`` takes the first present device type of the table
+    whose entry names a collectives backend: the fake ``hpu`` names none, so the CPU (Gloo)."""
+    import torch.distributed as dist
+    from solattn.distributed import group
+    assert group.PROCESS_GROUP_BACKENDS == {"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}
+    seen = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.append(backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    assert group.init_from_env() == (0, 1, torch.device("cpu")) and seen == ["gloo"]

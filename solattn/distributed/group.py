@@ -12,6 +12,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..devices import DEVICES, count
 from ..validation import fail as _fail, tensor_desc as _desc  # noqa: F401 (agree.py imports them from here)
 
 Tensor = torch.Tensor
@@ -70,8 +71,9 @@ def wait(work, timeout: Optional[timedelta], fn: str, what: str) -> None:
             "group may be unusable now: end the process (or destroy the group)") from None
 
 
-#: device type -> the torch.distributed backend that runs this module's collectives on it
-PROCESS_GROUP_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}
+#: device type -> the torch.distributed backend that runs this module's collectives on it (the
+#: device table's ``collectives``, in its order: cuda, xpu, cpu)
+PROCESS_GROUP_BACKENDS = {name: d.collectives for name, d in DEVICES.items() if d.collectives}
 
 
 def init_from_env(device_type: Optional[str] = None,
@@ -80,16 +82,14 @@ def init_from_env(device_type: Optional[str] = None,
     ``(rank, world_size, device)``.
 
     ``device_type`` is ``"cuda"`` (NCCL), ``"xpu"`` (XCCL) or ``"cpu"`` (Gloo); ``None`` takes
-    CUDA if available, else XPU if available, else the CPU. On a GPU this process's device is
+    the first of these present (CUDA, else XPU, else the CPU). On a GPU this process's device is
     ``LOCAL_RANK`` (from torchrun's environment, 0 without it), made the current device, and
     NCCL's group is bound to it. ``timeout`` goes to ``init_process_group`` (``None``: its
     default); it bounds every collective's wait on NCCL (its watchdog) and Gloo alike.
     Rank, world size and the rendezvous come from the environment torchrun sets up.
     """
     if device_type is None:
-        xpu = getattr(torch, "xpu", None)
-        device_type = ("cuda" if torch.cuda.is_available()
-                       else "xpu" if xpu is not None and xpu.is_available() else "cpu")
+        device_type = next(t for t in PROCESS_GROUP_BACKENDS if count(t))
     if device_type not in PROCESS_GROUP_BACKENDS:
         _fail("init_from_env", "device_type", repr(device_type),
               "None, " + ", ".join(repr(d) for d in PROCESS_GROUP_BACKENDS),
