@@ -73,7 +73,8 @@ def _mps_count() -> int:
     return 1 if mps is not None and mps.is_available() else 0
 
 
-#: every device type solattn knows, the preferred first (``best_device``: cuda > xpu > mps > cpu)
+#: every device type solattn knows, the preferred first (``best_device``: cuda > xpu > mps > cpu).
+#: fp32 masks only on the CPU: CUDA broke with them (``known_broken``), XPU and MPS were never run
 DEVICES: Dict[str, DeviceType] = {d.name: d for d in (
     DeviceType("cuda", priority=("triton", "sdpa", "reference"), triton=True, l2_flush=True,
                timing_events=True, allocator_stats=True, collectives="nccl", known_broken=(

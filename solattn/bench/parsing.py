@@ -100,7 +100,7 @@ def parse_device(text: str, option: str = "--device") -> torch.device:
         device = torch.device("cpu")          # the one CPU device: tensors made on "cpu:0" say "cpu"
     name = str(device)
     if name in present or (device.index is None and any(d.split(":")[0] == device.type for d in present)) \
-            or (device.type == "mps" and "mps" in present and device.index in (None, 0)):
+            or (not devices.entry(device.type).indexed and device.type in present and device.index in (None, 0)):
         return device
     if device.type == "cuda" and not torch.cuda.is_available():
         why = (f"this torch ({torch.__version__}) was built without CUDA" if torch.version.cuda is None
