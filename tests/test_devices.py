@@ -5,6 +5,8 @@ entries hold today's facts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ import solattn
 from solattn import devices, dispatch
 from solattn.backends.sdpa import masks
 from solattn.bench import memory, timing
+from solattn.distributed import group
 from solattn.routing import default_topk_method
 from solattn.testing import device_types, make_qkv
 
@@ -25,8 +28,7 @@ def fake_device(monkeypatch):
                                count=lambda: 2, synchronize=synced.append)
     monkeypatch.setitem(devices.DEVICES, "hpu", entry)
     for name in ("cuda", "xpu", "mps"):    # whatever this machine has: the fake is the only accelerator
-        monkeypatch.setitem(devices.DEVICES, name,
-                            devices.DeviceType(name, priority=devices.DEVICES[name].priority, count=lambda: 0))
+        monkeypatch.setitem(devices.DEVICES, name, dataclasses.replace(devices.DEVICES[name], count=lambda: 0))
     return synced
 
 
@@ -51,7 +53,6 @@ def test_measure_peak_synchronizes_through_the_entry(fake_device):
 
 def test_entry_change_moves_the_automatic_choice(monkeypatch):
     """The CPU's order is its entry's: with only ``reference`` listed, a CPU call runs there."""
-    import dataclasses
     q, k, v = make_qkv(1, 128, 2, 16)
     p = solattn.validation.validate(q, k, v)
     assert dispatch.choose(p).name == "sdpa"
@@ -93,7 +94,6 @@ def test_backend_declares_automatic():
 
 def test_info_prints_the_known_broken_notes(fake_device, monkeypatch, capsys):
     """``python -m solattn info`` shows an entry's known-broken notes under its present device type."""
-    import dataclasses
     from solattn import cli
     monkeypatch.setitem(devices.DEVICES, "hpu", dataclasses.replace(devices.DEVICES["hpu"],
                                                                     known_broken=("torch.sort is slow",)))
@@ -108,7 +108,6 @@ def test_init_from_env_takes_the_first_present_device_with_collectives(fake_devi
     """Without ``device_type``, ``init_from_env`` takes the first present device type of the table
     whose entry names a collectives backend: the fake ``hpu`` names none, so the CPU (Gloo)."""
     import torch.distributed as dist
-    from solattn.distributed import group
     assert group.PROCESS_GROUP_BACKENDS == {"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}
     seen = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
