@@ -5,16 +5,16 @@
 Measured here (each the best of ``--repeats`` timed runs after a warm-up):
 
 - the linear-layer rate: ``(tokens, dim) @ (dim, ffn)`` GEMMs (FLOP/s);
-- dense attention: ``scaled_dot_product_attention`` on ``(1, heads, tokens, 128)`` (FLOP/s);
-- VSA: :func:`solattn.video_sparse_attn` at sparsity 0.8 on a ``(t, 16, 16)`` grid of ``tokens``
-  tokens with a gate: seconds per kept (query cube, key cube) pair of 64 x 64 tokens, its
-  coarse stage included.
+- self-attention at the model's own latent grid (``--model``, default FastWan2.1-T2V-1.3B at its
+  default clip: 16 x 28 x 52 = 23,296 tokens, 364 cubes, top-k 73) on ``--attn-heads`` heads of
+  128, dense (``scaled_dot_product_attention``) and VSA (:func:`solattn.video_sparse_attn` at the
+  model's sparsity, with a gate, coarse stage included) timed side by side, alternating, in the
+  same process on the same inputs.
 
-Projected from them (not measured): one step of the model (``--model``, default FastWan2.1-T2V-1.3B
-at its default clip, grid 16 x 28 x 52 = 23,296 tokens, 364 cubes, top-k 73): per block the
-linear layers (q, k, v, o, gate; cross-attention q, o; the FFN) at the measured GEMM rate and the
-self-attention dense (at the measured attention rate) or VSA (at the measured cost per kept cube
-pair), times the blocks. Text cross-attention (512 keys) is counted as linear work only.
+Projected from them (not measured): one step of the model: per block the linear layers (q, k, v,
+o, gate; cross-attention q, o; the FFN) at the measured GEMM rate and the self-attention dense or
+VSA (the measured time scaled from ``--attn-heads`` to the model's heads: heads are independent),
+times the blocks. Text cross-attention (512 keys) is counted as linear work only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import subprocess
 import time
@@ -46,6 +47,27 @@ def best(fn, repeats):
     return min(times)
 
 
+def best_pair(fa, fb, repeats):
+    """Best times of ``fa`` and ``fb``, run alternately (a warm-up each first), so that both see
+    the same machine load."""
+    fa()
+    fb()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, times in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(ta), min(tb)
+
+
+def load_average():
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):     # not on Windows
+        return None
+
+
 def cubes(grid):
     return math.prod(-(-n // 4) for n in grid)
 
@@ -58,7 +80,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--tokens", type=int, default=4096, help="tokens of the measured shapes (a multiple of 256)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens of the measured GEMM")
+    p.add_argument("--attn-heads", type=int, default=2, help="heads of the measured attention (scaled to the model's)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--model", default="FastWan2.1-T2V-1.3B", choices=sorted(MODELS))
     args = p.parse_args(argv)
@@ -71,20 +94,20 @@ def main(argv=None):
         a, w = torch.randn(n, dim, device=dev, dtype=dtype), torch.randn(dim, ffn, device=dev, dtype=dtype)
         gemm = best(lambda: a @ w, args.repeats)
         gemm_rate = 2 * n * dim * ffn / gemm
-        q, k, v = (torch.randn(1, heads, n, 128, device=dev, dtype=dtype) for _ in range(3))
-        dense = best(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), args.repeats)
-        dense_rate = 4 * n * n * 128 * heads / dense
-        mgrid = (n // 256, 16, 16)
-        qs, ks, vs, gs = (t.transpose(1, 2).contiguous() for t in (q, k, v, torch.randn_like(q)))
-        vsa = best(lambda: solattn.video_sparse_attn(qs, ks, vs, mgrid, sparsity=sparsity, gate=gs), args.repeats)
-        m_cubes = cubes(mgrid)
-        per_pair = vsa / (m_cubes * topk(sparsity, m_cubes) * heads)
-    s = math.prod(grid)
+        s = math.prod(grid)
+        ha = args.attn_heads
+        q, k, v, g = (torch.randn(1, s, ha, 128, device=dev, dtype=dtype) for _ in range(4))
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        load_before = load_average()
+        dense, vsa = best_pair(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt),
+                               lambda: solattn.video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=g),
+                               args.repeats)
+        load_after = load_average()
     c = cubes(grid)
     linear_flops = 2 * s * dim * dim * (5 + 2) + 2 * 2 * s * dim * ffn      # self q k v o gate, cross q o, FFN
     linear = linear_flops / gemm_rate
-    attn_dense = 4 * s * s * 128 * heads / dense_rate
-    attn_vsa = c * topk(sparsity, c) * heads * per_pair
+    attn_dense = dense * heads / ha
+    attn_vsa = vsa * heads / ha
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -92,9 +115,10 @@ def main(argv=None):
     out = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
                    f"{torch.__version__}, {args.device} {args.dtype}, solattn {commit}",
-        "measured": {"gemm_gflops": gemm_rate / 1e9, "dense_attention_gflops": dense_rate / 1e9,
-                     "vsa_seconds": vsa, "vsa_grid": mgrid, "vsa_cubes": m_cubes,
-                     "vsa_topk": topk(sparsity, m_cubes), "vsa_us_per_kept_cube_pair_per_head": per_pair * 1e6},
+        "load_average_1min": {"before_attention": load_before, "after_attention": load_after},
+        "measured": {"gemm_gflops": gemm_rate / 1e9,
+                     "attention_grid": grid, "attention_heads": ha, "dense_sdpa_s": dense, "vsa_s": vsa,
+                     "dense_over_vsa": dense / vsa, "dense_sdpa_gflops": 4 * s * s * 128 * ha / dense / 1e9},
         "projected": {"model": args.model, "grid": grid, "tokens": s, "cubes": c, "topk": topk(sparsity, c),
                       "per_block_linear_s": linear, "per_block_attention_dense_s": attn_dense,
                       "per_block_attention_vsa_s": attn_vsa,
