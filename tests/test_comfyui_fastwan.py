@@ -81,3 +81,14 @@ def test_node_lists_the_gate_choices(tmp_path):
     assert_completed(result)
     assert any("method auto chose sol-attn" in line for line in node_lines(result))
     assert NODE in result["node_types"]
+
+
+def test_a_deep_copy_of_the_patched_model_runs_its_own_modules(tmp_path):
+    # ComfyUI's multi-GPU clones and non-dynamic delegates copy the object patches onto a fresh copy
+    # of the model: the patches must run that copy's self-attention, not the first model's
+    result = run_host(tmp_path, model="fastwan", patches=[fastwan_node("auto"),
+                                                          {"class_type": "SolAttnTestDeepClone", "inputs": {}}],
+                      capture={"keep_percent": KEEP})
+    assert_completed(result)
+    assert result["latent_finite"], result["latent_norm"]
+    assert result["captures"] and all(c["rel_err_vs_definition"] <= 1e-5 for c in result["captures"])

@@ -70,7 +70,30 @@ class SolAttnTestPreferredAttention:
         return (model,)
 
 
+class SolAttnTestDeepClone:
+    """A clone of the model holding a fresh copy of it (``clone(force_deepcopy=True)``: what
+    ComfyUI's multi-GPU clones and non-dynamic delegates do); the source model's Wan
+    self-attention weights are then set to NaN, so a sample that still runs them is not finite."""
+
+    CATEGORY = "testing"
+    FUNCTION = "clone"
+    RETURN_TYPES = ("MODEL",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    def clone(self, model):
+        copy = model.clone(force_deepcopy=True)
+        assert copy.model is not model.model
+        with torch.no_grad():
+            for block in model.model.diffusion_model.blocks:
+                block.self_attn.q.weight.fill_(float("nan"))
+        return (copy,)
+
+
 NODE_CLASS_MAPPINGS = {
+    "SolAttnTestDeepClone": SolAttnTestDeepClone,
     "SolAttnTestPreferredAttention": SolAttnTestPreferredAttention,
     "SolAttnTestZeroConditioning": SolAttnTestZeroConditioning,
     "SolAttnTestSaveLatent": SolAttnTestSaveLatent,

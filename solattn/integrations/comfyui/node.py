@@ -135,6 +135,9 @@ def apply(model, *, method: str = "auto", tau: float = 1.3, keep_percent: float 
     m.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, lambda model_patcher: state.reset())
     if method == "vsa" and is_wan:
         wan.install_attention_patches(state, m, wan_gates, len(diffusion_model.blocks))
+        if hasattr(CallbacksMP, "ON_CLONE"):     # deep copies of the model get patches of their own modules
+            m.add_callback_with_key(CallbacksMP.ON_CLONE, CALLBACK_KEY,
+                                    lambda model_patcher, clone: wan.rebind_attention_patches(clone))
         if wan_gates is None:
             log.warning("%s: no FastWan to_gate_compress gates (vsa_gates %r); vsa runs the sparse fine stage "
                         "without the coarse branch (FastVideo's zero gate)", DISPLAY_NAME, vsa_gates)

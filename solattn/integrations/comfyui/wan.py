@@ -194,6 +194,16 @@ def _own_forward(module) -> Callable:
     return forward
 
 
+def _patch(state: SparseAttention, gates: Optional[WanGates], index: int, previous: Callable, module) -> Callable:
+    """Block ``index``'s patch; ``module``: the self-attention whose own forward ``previous`` runs
+    (None when ``previous`` is another node's patch)."""
+    patch = make_attention_forward(state, gates, index, previous)
+    patch.solattn_previous = previous
+    patch.solattn_gates = gates
+    patch.solattn_module = module
+    return patch
+
+
 def install_attention_patches(state: SparseAttention, model, gates: Optional[WanGates], num_blocks: int):
     """Object-patch every block's self-attention forward of the ModelPatcher ``model`` (a clone)."""
     blocks = model.get_model_object("diffusion_model").blocks
@@ -201,9 +211,27 @@ def install_attention_patches(state: SparseAttention, model, gates: Optional[Wan
         key = FORWARD_KEY.format(i)
         # another node's patch of this clone, else the module's own forward (looked up per call: the
         # shared module may carry a patch of another clone right now)
-        previous = model.object_patches.get(key) or _own_forward(blocks[i].self_attn)
-        if getattr(previous, "solattn_state", None) is not None:     # this node applied twice: the original
-            previous = previous.solattn_previous
-        patch = make_attention_forward(state, gates, i, previous)
-        patch.solattn_previous = previous
-        model.add_object_patch(key, patch)
+        existing = model.object_patches.get(key)
+        if getattr(existing, "solattn_state", None) is not None:     # this node applied twice: the original
+            previous, module = existing.solattn_previous, existing.solattn_module
+        elif existing is not None:
+            previous, module = existing, None
+        else:
+            module = blocks[i].self_attn
+            previous = _own_forward(module)
+        model.add_object_patch(key, _patch(state, gates, i, previous, module))
+
+
+def rebind_attention_patches(model):
+    """ComfyUI's ``ON_CLONE`` callback: a clone that holds another model object than the one the
+    patches were made for (a deep copy: a multi-GPU clone, a non-dynamic delegate, ``force_deepcopy``)
+    gets patches that run that model's own self-attention modules, not the first model's."""
+    blocks = model.get_model_object("diffusion_model").blocks
+    for i, block in enumerate(blocks):
+        key = FORWARD_KEY.format(i)
+        patch = model.object_patches.get(key)
+        module = getattr(patch, "solattn_module", None)
+        if module is None or module is block.self_attn:
+            continue
+        model.object_patches[key] = _patch(patch.solattn_state, patch.solattn_gates, i,
+                                           _own_forward(block.self_attn), block.self_attn)
