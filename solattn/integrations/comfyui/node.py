@@ -41,7 +41,7 @@ def _has_gate(diffusion_model) -> bool:
     return getattr(diffusion_model.blocks[0].attn, "to_gate_compress", None) is not None
 
 
-def choose_method(method: str, diffusion_model, wan_gates=None):
+def choose_method(method: str, diffusion_model, wan_gates=None, no_gates_reason: str = "vsa_gates gave none"):
     """``(method to run, why)``: ``method`` itself (why None), or for ``auto`` vsa on a MiniMax-H3
     model with ``to_gate_compress`` (a FastH3 checkpoint) whose blocks take the ``attention=``
     argument or on a Wan model with FastWan gates (``wan_gates``, :func:`.wan.resolve_gates`),
@@ -55,8 +55,7 @@ def choose_method(method: str, diffusion_model, wan_gates=None):
         if method == "auto":
             method, why = (("vsa", f"a Wan model with FastWan to_gate_compress gates (from {wan_gates.source})")
                            if wan_gates is not None else
-                           ("sol-attn", "a Wan model without FastWan to_gate_compress gates (vsa_gates: the "
-                                        "model file has none, or 'none')"))
+                           ("sol-attn", f"a Wan model without FastWan to_gate_compress gates: {no_gates_reason}"))
         return method, why
     why = None
     if method == "auto":
@@ -114,7 +113,8 @@ def apply(model, *, method: str = "auto", tau: float = 1.3, keep_percent: float 
     model_sampling = model.get_model_object("model_sampling")
     is_wan = wan.is_wan(diffusion_model)
     wan_gates = wan.resolve_gates(model, diffusion_model, vsa_gates) if is_wan else None
-    method, why = choose_method(method, diffusion_model, wan_gates)
+    no_gates = wan.no_gates_reason(model, vsa_gates) if is_wan and wan_gates is None else ""
+    method, why = choose_method(method, diffusion_model, wan_gates, no_gates)
     settings = Settings(method=method, tau=tau, keep_percent=keep_percent, min_tokens=min_tokens,
                         sigma_start=float(model_sampling.percent_to_sigma(start_percent)),
                         sigma_end=float(model_sampling.percent_to_sigma(end_percent)),
@@ -139,8 +139,8 @@ def apply(model, *, method: str = "auto", tau: float = 1.3, keep_percent: float 
             m.add_callback_with_key(CallbacksMP.ON_CLONE, CALLBACK_KEY,
                                     lambda model_patcher, clone: wan.rebind_attention_patches(clone))
         if wan_gates is None:
-            log.warning("%s: no FastWan to_gate_compress gates (vsa_gates %r); vsa runs the sparse fine stage "
-                        "without the coarse branch (FastVideo's zero gate)", DISPLAY_NAME, vsa_gates)
+            log.warning("%s: no FastWan to_gate_compress gates (%s); vsa runs the sparse fine stage without the "
+                        "coarse branch (FastVideo's zero gate)", DISPLAY_NAME, no_gates)
         else:
             log.info("%s: FastWan gates of %d blocks from %s", DISPLAY_NAME, len(wan_gates.tensors), wan_gates.source)
     elif method == "vsa":

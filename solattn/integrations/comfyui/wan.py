@@ -70,13 +70,34 @@ class WanGates:
         return torch.nn.functional.linear(x, *cast)
 
 
+#: ComfyUI's loaders that record the file they loaded as the first argument of
+#: ``ModelPatcher.cached_patcher_init``: "Load Diffusion Model" and "Load Checkpoint"
+RECORDING_LOADERS = ("load_diffusion_model", "load_checkpoint_guess_config")
+
+
 def model_file(model) -> Optional[str]:
-    """The file ComfyUI's "Load Diffusion Model" loaded ``model`` from, when it recorded it."""
+    """The file ComfyUI's "Load Diffusion Model" (or "Load Checkpoint") loaded ``model`` from, when
+    it recorded it (``cached_patcher_init``); None for other loaders and ComfyUI releases without it."""
     init = getattr(model, "cached_patcher_init", None)
-    if not init or getattr(init[0], "__name__", "") != "load_diffusion_model" or not init[1]:
+    if not init or getattr(init[0], "__name__", "") not in RECORDING_LOADERS or len(init) < 2 or not init[1]:
         return None
     path = init[1][0]
-    return path if isinstance(path, (str, os.PathLike)) and os.path.isfile(path) else None
+    return str(path) if isinstance(path, (str, os.PathLike)) and os.path.isfile(path) else None
+
+
+def no_gates_reason(model, vsa_gates) -> str:
+    """Why :func:`resolve_gates` found no gates for ``vsa_gates``, in words a user can act on."""
+    if vsa_gates is None or vsa_gates == NO_GATES:
+        return f"vsa_gates is '{NO_GATES}'"
+    if vsa_gates != FROM_MODEL_FILE:
+        return f"vsa_gates {vsa_gates!r} gave none"
+    path = model_file(model)
+    if path is None:
+        return (f"vsa_gates is '{FROM_MODEL_FILE}' but the loader did not record which file it loaded (ComfyUI's "
+                f"'Load Diffusion Model' does; other loaders and older ComfyUI releases do not): to run a FastWan "
+                f"model with its gates, choose its converted file in vsa_gates")
+    return (f"{os.path.basename(path)} has no to_gate_compress keys (a base Wan checkpoint; a FastWan transformer "
+            f"keeps them when converted with 'python -m solattn.integrations.fastwan to-comfyui')")
 
 
 def _named_file(name) -> str:
