@@ -69,3 +69,18 @@ def test_a_recorded_file_without_gates_is_named_as_the_reason(tmp_path):
     reason = wan.no_gates_reason(patcher, wan.FROM_MODEL_FILE)
     assert reason.startswith("wan_base.safetensors has no to_gate_compress keys"), reason
     assert wan.no_gates_reason(patcher, wan.NO_GATES) == "vsa_gates is 'none'"
+
+
+def test_gate_copies_are_released_between_runs(tmp_path):
+    unet = write(tmp_path / "fastwan.safetensors")
+    gates = wan.resolve_gates(Patcher((load_diffusion_model, (unet, {}))), diffusion_model(), wan.FROM_MODEL_FILE)
+    x = torch.randn(1, 5, DIM, dtype=torch.bfloat16)
+    sd = fastwan_state_dict(**SHAPE)
+    want = torch.nn.functional.linear(x.double(), sd["blocks.0.to_gate_compress.weight"].double(),
+                                      sd["blocks.0.to_gate_compress.bias"].double())
+    first = gates.project(0, x)
+    assert first.dtype == torch.bfloat16 and float((first.double() - want).norm() / want.norm()) < 1e-2
+    assert gates._cast                                   # kept for the rest of the run
+    gates.release()                                      # the run's cleanup
+    assert not gates._cast
+    assert torch.equal(gates.project(0, x), first)      # the next run copies them again

@@ -132,7 +132,13 @@ def apply(model, *, method: str = "auto", tau: float = 1.3, keep_percent: float 
     state = SparseAttention(settings, getattr(diffusion_model, "patch_size", (1, 2, 2)), blocks)
     m = model.clone()
     from comfy.patcher_extension import CallbacksMP
-    m.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, lambda model_patcher: state.reset())
+
+    def cleanup(model_patcher):
+        state.reset()
+        if wan_gates is not None:
+            wan_gates.release()           # no device copies of the gates between runs
+
+    m.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, cleanup)
     if method == "vsa" and is_wan:
         wan.install_attention_patches(state, m, wan_gates, len(diffusion_model.blocks))
         if hasattr(CallbacksMP, "ON_CLONE"):     # deep copies of the model get patches of their own modules

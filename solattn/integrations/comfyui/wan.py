@@ -52,7 +52,8 @@ def is_wan(diffusion_model) -> bool:
 
 class WanGates:
     """The checked gate tensors of a Wan model (block -> weight, bias) and where they came from;
-    :meth:`project` applies block i's gate to the self-attention input on its device and dtype."""
+    :meth:`project` applies block i's gate to the self-attention input on its device and dtype
+    (copies kept for the sampling run, until :meth:`release`)."""
 
     def __init__(self, tensors: Dict[int, Dict[str, torch.Tensor]], source: str):
         self.tensors = tensors
@@ -68,6 +69,12 @@ class WanGates:
                          for p in ("weight", "bias"))
             self._cast[key] = cast
         return torch.nn.functional.linear(x, *cast)
+
+    def release(self):
+        """Drop the device copies :meth:`project` made (ComfyUI's model management does not see
+        them): called when a sampling run ends, so the gates do not hold device memory between
+        runs; the next run copies them again."""
+        self._cast.clear()
 
 
 #: ComfyUI's loaders that record the file they loaded as the first argument of
