@@ -246,3 +246,14 @@ def test_enabling_twice_is_refused_and_the_old_entry_point_stays(folder):
     assert integration.enable_fasth3 is not None and callable(integration.enable_fasth3)
     with pytest.raises(ValueError, match="WanTransformer3DModel"):
         integration.enable_vsa(torch.nn.Linear(2, 2), None)
+
+
+def test_group_offloading_enabled_first_is_refused_naming_enable_vsa(folder):
+    model = load(folder)
+    model.enable_group_offload(onload_device=torch.device("cpu"), offload_type="block_level",
+                               num_blocks_per_group=1)
+    with pytest.raises(RuntimeError) as err:
+        integration.enable_vsa(model, folder)
+    assert "enable_vsa: diffusers group offloading is active" in str(err.value), str(err.value)
+    assert "call enable_vsa before enable_group_offload" in str(err.value), str(err.value)
+    assert "fasth3" not in str(err.value)

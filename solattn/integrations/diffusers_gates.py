@@ -149,17 +149,18 @@ def _sequential_offload_device(module: nn.Module) -> Optional[torch.device]:
     return None
 
 
-def refuse_group_offload(transformer: nn.Module):
+def refuse_group_offload(transformer: nn.Module, caller: str = "enable_fasth3"):
     """diffusers' group offloading records the tensors it moves when it is enabled: a gate added
     afterwards would stay behind, so refuse (enable FastH3 first, then the offloading)."""
     for name, module in transformer.named_modules():
         registry = getattr(module, "_diffusers_hook", None)
         if registry is not None and registry.get_hook("group_offloading") is not None:
-            raise RuntimeError(f"enable_fasth3: diffusers group offloading is active on {name or 'the model'}; "
-                               f"call enable_fasth3 before enable_group_offload so the gates are offloaded too")
+            raise RuntimeError(f"{caller}: diffusers group offloading is active on {name or 'the model'}; "
+                               f"call {caller} before enable_group_offload so the gates are offloaded too")
 
 
-def build_gate(attn: nn.Module, tensors: Dict[str, torch.Tensor], reference: torch.Tensor) -> nn.Linear:
+def build_gate(attn: nn.Module, tensors: Dict[str, torch.Tensor], reference: torch.Tensor,
+               caller: str = "enable_fasth3") -> nn.Linear:
     """A ``to_gate_compress`` linear layer holding ``tensors``, on ``reference``'s device and dtype
     (the attention's own projection weight), so it moves with the module under every offload.
 
@@ -176,7 +177,7 @@ def build_gate(attn: nn.Module, tensors: Dict[str, torch.Tensor], reference: tor
                                  requires_grad=reference.requires_grad)
     if reference.device.type == "meta":
         if offload_device is None:
-            raise RuntimeError("enable_fasth3: the attention weights are on the meta device and no "
+            raise RuntimeError(f"{caller}: the attention weights are on the meta device and no "
                                "accelerate offload hook says where they run; load the model first")
         from accelerate.hooks import AlignDevicesHook, add_hook_to_module
         add_hook_to_module(gate, AlignDevicesHook(execution_device=offload_device, offload=True))

@@ -214,7 +214,7 @@ def enable_fastwan(transformer, gates, *, sparsity: float = 0.8, start_percent: 
                          f"{attns[0].to_q.out_features}; allowed: a Wan transformer (dim -> dim projections)")
     tensors = None
     if gates is not None:
-        diffusers_gates.refuse_group_offload(transformer)
+        diffusers_gates.refuse_group_offload(transformer, "enable_vsa")
         tensors = fastwan.checked_gates(gates, len(blocks), dim, heads, NAME)   # refuses before any change
         for i, attn in enumerate(attns):
             if getattr(attn, fastwan.GATE_ATTR, None) is not None:
@@ -225,7 +225,7 @@ def enable_fastwan(transformer, gates, *, sparsity: float = 0.8, start_percent: 
                     transformer.config.patch_size)
     for i, attn in enumerate(attns):
         if tensors is not None:
-            attn.add_module(fastwan.GATE_ATTR, diffusers_gates.build_gate(attn, tensors[i], attn.to_q.weight))
+            attn.add_module(fastwan.GATE_ATTR, diffusers_gates.build_gate(attn, tensors[i], attn.to_q.weight, "enable_vsa"))
             state.added_gates.append(attn)
         state.originals[attn] = attn.processor
         attn.set_processor(FastWanProcessor(state, attn.processor, i))
