@@ -47,10 +47,10 @@ mkdir -p "$RESULTS"
 echo "solattn $SOLATTN_REVISION on $DEVICE; results under $RESULTS"
 
 # the test files, split in two halves of about equal time on a GPU host
-TESTS_A="tests/test_backends.py tests/test_triton_backend.py tests/test_triton_backward.py tests/test_compile.py
-         tests/test_graphs.py tests/test_readme.py tests/test_fused_plan.py tests/test_reference.py
-         tests/test_routing.py tests/test_validation.py tests/test_own_backward.py tests/test_plan.py"
-TESTS_B=$(ls tests/test_*.py | grep -v -x -F -f <(echo "$TESTS_A" | tr ' ' '\n' | grep .))
+TESTS_A="tests/backends/test_backends.py tests/backends/triton/test_triton_backend.py tests/backends/triton/test_triton_backward.py tests/op/test_compile.py
+         tests/op/test_graphs.py tests/test_readme.py tests/backends/triton/test_fused_plan.py tests/backends/reference/test_reference.py
+         tests/routing/test_routing.py tests/op/test_validation.py tests/backends/test_own_backward.py tests/op/test_plan.py"
+TESTS_B=$(find tests -name "test_*.py" | sort | grep -v -x -F -f <(echo "$TESTS_A" | tr ' ' '\n' | grep .))
 
 # pytest-xdist when importable: one worker per core
 XDIST=()

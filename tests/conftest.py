@@ -15,7 +15,7 @@ this file is imported, before any fixture (a module-scoped one starting worker p
 included) and every test again (:func:`cpu_priority_without_flex`), so the CPU priority is
 ``sdpa > reference`` on any CPU, in this process and in the processes its tests start. The
 tests about the automatic CPU choice force it both ways themselves (AMX present or not,
-tests/test_flex.py::test_automatic_cpu_choice_both_ways), so an AMX CPU and one without run the
+tests/backends/flex/test_flex.py::test_automatic_cpu_choice_both_ways), so an AMX CPU and one without run the
 same cases.
 """
 
@@ -76,38 +76,38 @@ _LISTED = frozenset(line.split("#")[0].strip() for line in
                     open(os.path.join(os.path.dirname(__file__), "slow_tests.txt"), encoding="utf-8")
                     if line.split("#")[0].strip())
 SLOW = (
-    "tests/test_triton_backward.py::*cpu*",
-    "tests/test_triton_backend.py::test_*",
-    "tests/test_fused_plan.py::test_*",
-    "tests/test_backends.py::*triton-cpu-interpreted*",
-    "tests/test_video.py::*-triton*",
-    "tests/test_video.py::*[[]triton]",
-    "tests/test_video.py::*-flex*",
-    "tests/test_video.py::*[[]flex]",
+    "tests/backends/triton/test_triton_backward.py::*cpu*",
+    "tests/backends/triton/test_triton_backend.py::test_*",
+    "tests/backends/triton/test_fused_plan.py::test_*",
+    "tests/backends/test_backends.py::*triton-cpu-interpreted*",
+    "tests/op/test_video.py::*-triton*",
+    "tests/op/test_video.py::*[[]triton]",
+    "tests/op/test_video.py::*-flex*",
+    "tests/op/test_video.py::*[[]flex]",
     "tests/test_finetune_example.py::*",
 )
 _KEEP = frozenset({
-    "tests/test_backends.py::test_backend_matches_reference[triton-cpu-interpreted-bfloat16-everything]",
-    "tests/test_video.py::test_matches_oracle[(4, 8, 8)-B1-P(70, 5, 64)-exempt-tensor-triton-bfloat16]",
-    "tests/test_video.py::test_matches_oracle[(4, 8, 8)-B1-P(70, 5, 64)-exempt-tensor-flex-bfloat16]",
-    "tests/test_triton_backward.py::test_sol_attn_fused_gradients_match_reference[topk-notail-gate-bias-bf16-cpu]",
-    "tests/test_triton_backend.py::test_modes_and_tail[False-topk]",
-    "tests/test_triton_backend.py::test_kernel_config_accepts_what_ships",
-    "tests/test_triton_backend.py::test_launch_refuses_configs_that_do_not_ship",
-    "tests/test_triton_backend.py::test_interpreter_run_leaves_triton_unpatched",
-    "tests/test_triton_backend.py::test_reasons",
-    "tests/test_triton_backend.py::test_gpu_launches_ask_for_fused_multiply_adds",
-    "tests/test_fused_plan.py::test_modes_tail_coarse[topk-False]",
-    "tests/test_fused_plan.py::test_vsa_plan_matches_torch_plan[(70,)-True-exempt]",
-    "tests/test_fused_plan.py::test_dot_precision_follows_the_device",
-    "tests/test_fused_plan.py::test_not_used_with_autograd_or_off_the_interpreter",
+    "tests/backends/test_backends.py::test_backend_matches_reference[triton-cpu-interpreted-bfloat16-everything]",
+    "tests/op/test_video.py::test_matches_oracle[(4, 8, 8)-B1-P(70, 5, 64)-exempt-tensor-triton-bfloat16]",
+    "tests/op/test_video.py::test_matches_oracle[(4, 8, 8)-B1-P(70, 5, 64)-exempt-tensor-flex-bfloat16]",
+    "tests/backends/triton/test_triton_backward.py::test_sol_attn_fused_gradients_match_reference[topk-notail-gate-bias-bf16-cpu]",
+    "tests/backends/triton/test_triton_backend.py::test_modes_and_tail[False-topk]",
+    "tests/backends/triton/test_triton_backend.py::test_kernel_config_accepts_what_ships",
+    "tests/backends/triton/test_triton_backend.py::test_launch_refuses_configs_that_do_not_ship",
+    "tests/backends/triton/test_triton_backend.py::test_interpreter_run_leaves_triton_unpatched",
+    "tests/backends/triton/test_triton_backend.py::test_reasons",
+    "tests/backends/triton/test_triton_backend.py::test_gpu_launches_ask_for_fused_multiply_adds",
+    "tests/backends/triton/test_fused_plan.py::test_modes_tail_coarse[topk-False]",
+    "tests/backends/triton/test_fused_plan.py::test_vsa_plan_matches_torch_plan[(70,)-True-exempt]",
+    "tests/backends/triton/test_fused_plan.py::test_dot_precision_follows_the_device",
+    "tests/backends/triton/test_fused_plan.py::test_not_used_with_autograd_or_off_the_interpreter",
 })
 
 
 def _is_slow(nodeid: str) -> bool:
     if nodeid in _KEEP:
         return False
-    if nodeid.startswith("tests/test_triton_backend.py::test_kernel_config"):
+    if nodeid.startswith("tests/backends/triton/test_triton_backend.py::test_kernel_config"):
         return False                                  # argument checks: no kernel runs
     return nodeid in _LISTED or any(fnmatch.fnmatchcase(nodeid, pattern) for pattern in SLOW)
 
