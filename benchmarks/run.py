@@ -3,6 +3,8 @@
     python benchmarks/run.py forward peers backward plan vsa      # a GPU: what the list says
     python benchmarks/run.py forward                              # a CPU: the forward table
     python benchmarks/run.py distributed --nproc 2                # torchrun on 2 GPUs
+    python benchmarks/run.py flex sdpa                            # a CPU: flex and the sdpa backend's call shapes
+    python benchmarks/run.py diffusers_h3 -- --small              # a CPU: FastH3 in diffusers at a CPU size
     python benchmarks/run.py --list                               # the benchmarks and their commands
     python benchmarks/run.py forward --results /tmp/r             # write elsewhere
 
@@ -58,6 +60,18 @@ BENCHMARKS: Dict[str, Tuple[str, List[str], str]] = {
                    "against dense SDPA",
                    [sys.executable, os.path.join(HERE, "bench_first_call.py"), "--out",
                     os.path.join("{out}", "bench_first_call.md")], "bench_first_call.md"),
+    "flex": ("a CPU: sol_attn through the automatic, sdpa and flex backends against dense SDPA at T=8192 "
+             "(three problems, quiet and under load; the flex backend's first call timed)",
+             [sys.executable, os.path.join(HERE, "bench_flex_cpu.py"), "--contenders", "dense,auto,sdpa,flex",
+              "--vsa", "none", "--repeats", "3", "--out-dir", "{out}"], "flex.md"),
+    "sdpa": ("a CPU: the sdpa backend's SDPA call shapes (items, heads) against dense SDPA, and sol_attn on it "
+             "at T=8192",
+             [sys.executable, os.path.join(HERE, "bench_flex_cpu.py"), "--preset", "amx", "--contenders",
+              "dense,sdpa,sdpa-heads", "--vsa", "none", "--time-limit", "45", "--out-dir", "{out}"], "flex.md"),
+    "diffusers_h3": ("FastH3 in diffusers (enable_fasth3) against diffusers' dense attention: attention core, "
+                     "one H3 block, a tiny model step (on a CPU add `-- --small`)",
+                     [sys.executable, os.path.join(HERE, "diffusers_h3.py"), "--out",
+                      os.path.join("{out}", "diffusers_h3.md")], "diffusers_h3.md"),
     "distributed": ("solattn.distributed (sequence parallel over P GPUs) against one GPU",
                     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "{nproc}",
                      os.path.join(HERE, "bench_distributed.py"), "--out",
