@@ -11,6 +11,7 @@ import torch
 from solattn import cli
 
 
+@pytest.mark.slow
 def test_info_lists_torch_devices_and_backends():
     res = subprocess.run([sys.executable, "-m", "solattn", "info"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -9,6 +9,8 @@ import pytest
 
 from solattn.testing import interpreter, triton_interpretable
 
+pytestmark = pytest.mark.slow
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_vsa.py"
 
 

@@ -18,7 +18,8 @@ def run_python(code: str, env_value: str):
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("value", ["auto", "cpu", "cuda"])
+@pytest.mark.parametrize("value", ["auto", pytest.param("cpu", marks=pytest.mark.slow),
+                                   pytest.param("cuda", marks=[pytest.mark.slow, pytest.mark.gpu])])
 def test_import_ignores_the_comfy_kitchen_variable(value):
     res = run_python("import sys, solattn\n"
                      "from solattn.integrations import comfy_kitchen as p\n"

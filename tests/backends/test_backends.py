@@ -24,6 +24,8 @@ from solattn.testing import (BackendCase, backend_cases, dense_attention, dense_
 from solattn.testing import live_rows as _live_rows
 from solattn.validation import validate
 
+from tests.support.marks import gpu_marked, on_gpu
+
 #: every backend on every device it runs on, the Triton kernel through its CPU interpreter included
 CASES = backend_cases()
 #: the same without interpreted cases, for the longer property tests
@@ -31,8 +33,16 @@ COMPILED = [c for c in CASES if not c.interpreted]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _ids(cases):
-    return [c.id for c in cases]
+def _costly(case: BackendCase) -> bool:
+    """A case whose calls take seconds on a CPU: the flex backend (a compile per shape) or the
+    Triton kernel in the CPU interpreter."""
+    return case.backend == "flex" or case.interpreted
+
+
+def _cases(cases, cpu_slow: bool = False):
+    """``cases`` as parameters, the costly ones marked slow, and with ``cpu_slow`` those on the CPU."""
+    return [pytest.param(c, id=c.id, marks=pytest.mark.slow if _costly(c) or (cpu_slow and c.device == "cpu") else ())
+            for c in cases]
 
 
 def _features(B, T, H, D, device, dtype, seed):
@@ -63,7 +73,8 @@ FEATURES = ["topk", "topk-notail", "tau", "tau-notail", "key_bias", "bool_bias",
 
 def _matrix():
     """(case, dtype, feature) for every dtype the backend declares; interpreted cases take
-    every feature in bf16 and only ``everything`` in the other dtypes (the interpreter is slow)."""
+    every feature in bf16 and only ``everything`` in the other dtypes (the interpreter is slow).
+    A costly case is slow but for its bf16 ``everything``, which the default run keeps."""
     out = []
     for case in CASES:
         for dtype in DTYPES:
@@ -72,7 +83,9 @@ def _matrix():
             for feature in FEATURES:
                 if case.interpreted and dtype != torch.bfloat16 and feature != "everything":
                     continue
-                out.append(pytest.param(case, dtype, feature, id=f"{case.id}-{str(dtype)[6:]}-{feature}"))
+                slow = _costly(case) and not (case.interpreted and dtype == torch.bfloat16 and feature == "everything")
+                out.append(pytest.param(case, dtype, feature, id=f"{case.id}-{str(dtype)[6:]}-{feature}",
+                                        marks=pytest.mark.slow if slow else ()))
     return out
 
 
@@ -97,7 +110,7 @@ def test_backend_matches_reference(case, dtype, feature):
     assert rel_l2(got.cpu()[:, live], want.cpu()[:, live]) < TOL[dtype]
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_backend_refuses_what_it_does_not_declare(case):
     """Dtypes, head dims and features outside a backend's declaration are refused before any
     work, with the reason; asking for the backend by name never silently runs another one."""
@@ -115,7 +128,7 @@ def test_backend_refuses_what_it_does_not_declare(case):
             case.run(q, k, v, topk_ratio=0.5, **kw)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_gradients_match_reference(case):
     """Gradients of a call on the backend (its own backward, or the recompute on a
     differentiable backend when it is forward-only) equal the reference's."""
@@ -143,7 +156,7 @@ def test_gradients_match_reference(case):
 
 
 
-@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+@pytest.mark.parametrize("case", _cases(COMPILED))
 @pytest.mark.parametrize("T", [1, 30, 64, 65, 129])
 def test_small_and_ragged_lengths(case, T):
     dtype = torch.float32 if torch.float32 in case.declared.dtypes else torch.bfloat16
@@ -154,7 +167,7 @@ def test_small_and_ragged_lengths(case, T):
         assert rel_l2(got, want) < TOL[dtype]
 
 
-@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+@pytest.mark.parametrize("case", _cases(COMPILED))
 def test_all_blocks_exact_equals_dense(case):
     dtype = torch.bfloat16
     q, k, v = make_qkv(2, 300, 2, case.head_dim(64), dtype=dtype, device=case.device)
@@ -163,7 +176,7 @@ def test_all_blocks_exact_equals_dense(case):
         assert rel_l2(got, dense_attention(q, k, v)) < tolerance(dtype)
 
 
-@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+@pytest.mark.parametrize("case", _cases(COMPILED, cpu_slow=True))
 def test_ties_kk_zero_and_sinks_at_both_edges(case):
     dtype = torch.float32 if torch.float32 in case.declared.dtypes else torch.bfloat16
     T, D = 10 * BLOCK, case.head_dim(64)
@@ -183,7 +196,7 @@ def test_ties_kk_zero_and_sinks_at_both_edges(case):
         assert rel_l2(got, want) < TOL[dtype], kw
 
 
-@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+@pytest.mark.parametrize("case", _cases(COMPILED, cpu_slow=True))
 def test_strided_permuted_sliced(case):
     dtype, D = torch.bfloat16, case.head_dim(64)
     q, k, v = make_qkv(2, 200, 3, D, dtype=dtype, device=case.device, seed=5)
@@ -196,7 +209,7 @@ def test_strided_permuted_sliced(case):
         assert torch.equal(case.run(*args, topk_ratio=0.4), want)
 
 
-@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+@pytest.mark.parametrize("case", _cases(COMPILED))
 def test_batch_equals_each_alone_and_repeat_calls_bit_identical(case):
     dtype = torch.bfloat16
     q, k, v = make_qkv(3, 150, 2, case.head_dim(64), dtype=dtype, device=case.device, seed=6)
@@ -208,7 +221,7 @@ def test_batch_equals_each_alone_and_repeat_calls_bit_identical(case):
         assert rel_l2(full[b:b + 1], alone) < tolerance(dtype)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_all_masked_rows_are_zero_not_nan(case):
     dtype = torch.bfloat16
     q, k, v = make_qkv(1, 200, 2, case.head_dim(64), dtype=dtype, device=case.device)
@@ -217,7 +230,7 @@ def test_all_masked_rows_are_zero_not_nan(case):
     assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("case", COMPILED, ids=_ids(COMPILED))
+@pytest.mark.parametrize("case", _cases(COMPILED))
 def test_dead_rows_leave_live_outputs_bit_identical(case):
     dtype = torch.bfloat16
     T = 3 * BLOCK
@@ -235,13 +248,16 @@ def test_dead_rows_leave_live_outputs_bit_identical(case):
 
 # --- the portable backend specifically -------------------------------------------------------
 
-SDPA_DEVICES = [c.device for c in COMPILED if c.backend == "sdpa"]
+SDPA_DEVICE_NAMES = [c.device for c in COMPILED if c.backend == "sdpa"]
+SDPA_DEVICES = gpu_marked(SDPA_DEVICE_NAMES)
 
 
-@pytest.mark.parametrize("device", SDPA_DEVICES)
-@pytest.mark.parametrize("kw", [dict(topk_ratio=0.3), dict(tau=0.3, key_bias="bias", block_len="bl"),
-                                dict(topk_ratio=0.3, tail=False, coarse_gate="gate")],
-                         ids=["topk-tail", "tau-bias-blocklen", "notail-gate"])
+@pytest.mark.parametrize("kw,device", [
+    pytest.param(kw, device, id=f"{name}-{device}", marks=pytest.mark.gpu if on_gpu(device)
+                 else pytest.mark.slow if name == "tau-bias-blocklen" else ())
+    for device in SDPA_DEVICE_NAMES
+    for name, kw in [("topk-tail", dict(topk_ratio=0.3)), ("tau-bias-blocklen", dict(tau=0.3, key_bias="bias", block_len="bl")),
+                     ("notail-gate", dict(topk_ratio=0.3, tail=False, coarse_gate="gate"))]])
 def test_sdpa_gradients_match_reference(device, kw):
     B, T, H, D = 1, 3 * BLOCK - 10, 2, 16
     q, k, v = make_qkv(B, T, H, D, device=device, seed=3)
@@ -353,6 +369,7 @@ def _masks_in_input_dtype(monkeypatch):
     monkeypatch.setitem(devices.DEVICES, "cpu", dataclasses.replace(devices.DEVICES["cpu"], fp32_masks=False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("feature", ["topk", "tau", "key_bias", "bool_bias", "block_len", "everything"])
 def test_sdpa_masks_in_input_dtype_as_on_gpus(feature, monkeypatch):
     """The mask-dtype branch taken on CUDA/XPU/MPS (mask in q's dtype), forced on the CPU: results
@@ -372,7 +389,7 @@ def test_sdpa_masks_in_input_dtype_as_on_gpus(feature, monkeypatch):
 
 # --- robustness: shifted keys, huge finite biases, NaN in dead rows ----------------------------
 
-@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_common_key_offset_keeps_bf16_precision(case):
     """SPEC.md centres the keys: adding one vector to every key leaves the output unchanged. In
     bf16 the error against the reference must not grow with that offset (it does if the centroid
@@ -385,7 +402,7 @@ def test_common_key_offset_keeps_bf16_precision(case):
         assert rel_l2(got, want) < 1e-2, tail
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+@pytest.mark.parametrize("case", _cases(CASES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_huge_finite_biases_stay_finite(case, dtype, monkeypatch, fp32_min=True):
     """A finite bias is a finite term: finfo(fp32).min or -1e5 on every key (tail off) is not an
@@ -414,7 +431,7 @@ def _fp16_mask(backend, device, dtype):
     return backend == "sdpa" and sdpamod.masks.mask_dtype(torch.device(device), dtype) == torch.float16
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_nan_in_dead_rows_never_reaches_an_output(case):
     T = 3 * BLOCK
     q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, device=case.device, seed=23)
@@ -431,6 +448,7 @@ def test_nan_in_dead_rows_never_reaches_an_output(case):
         assert torch.equal(got[:, live], base[:, live])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_huge_finite_biases_with_masks_in_input_dtype(dtype, monkeypatch):
     """The GPU mask branch (mask in q's dtype) forced on the CPU: a finite bias beyond the
@@ -452,6 +470,7 @@ def _log2_prescaling_sdpa(q, k, v, attn_mask=None, scale=None):
     return out.to(v.dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpu_masks", [False, True], ids=["fp32-mask", "input-dtype-mask"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_huge_finite_bias_survives_log2_prescaling_kernels(dtype, gpu_masks, monkeypatch):
@@ -473,6 +492,7 @@ def test_huge_finite_bias_survives_log2_prescaling_kernels(dtype, gpu_masks, mon
             assert rel_l2(got, want) < TOL[dtype] * 10, (tail, bias[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpu_masks", [False, True], ids=["cpu-fp32-mask", "gpu-bf16-mask"])
 def test_sdpa_bf16_tail_error_does_not_grow_with_logits(gpu_masks, monkeypatch):
     """bf16 inputs are exact; the tail must not make the error grow with |logit| (it did when the
@@ -496,6 +516,7 @@ def test_sdpa_bf16_tail_error_does_not_grow_with_logits(gpu_masks, monkeypatch):
     assert logit > 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpu_masks", [False, True], ids=["cpu-fp32-mask", "gpu-bf16-mask"])
 def test_sdpa_tail_mask_per_row_only_where_the_residual_varies(gpu_masks, monkeypatch):
     """The tail's rounding residual r_t = scale q_t . (m - round_bf16(m)) takes one mask row per
@@ -543,9 +564,10 @@ def test_sdpa_tail_mask_per_row_only_where_the_residual_varies(gpu_masks, monkey
     assert fractions[0.0] < 0.25 and fractions[300.0] == 1.0, fractions
 
 
-@pytest.mark.parametrize("device", SDPA_DEVICES)
-@pytest.mark.parametrize("bias_shape", ["T", "BT", "B11T"])
-@pytest.mark.parametrize("tail", [True, False], ids=["tail", "notail"])
+@pytest.mark.parametrize("tail,bias_shape,device", [
+    pytest.param(tail, shape, device, id=f"{'tail' if tail else 'notail'}-{shape}-{device}",
+                 marks=pytest.mark.gpu if on_gpu(device) else () if (tail, shape) == (False, "B11T") else pytest.mark.slow)
+    for device in SDPA_DEVICE_NAMES for tail in (True, False) for shape in ("T", "BT", "B11T")])
 def test_key_bias_gradient_matches_reference_autograd(device, bias_shape, tail):
     """A float key_bias that requires grad gets the gradient the reference's autograd gives
     (sdpa's mask, clamp included, is differentiable in the bias); q, k, v's still match too."""
@@ -569,6 +591,7 @@ def test_key_bias_gradient_matches_reference_autograd(device, bias_shape, tail):
     assert grads["sdpa"][3].abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_key_bias_gradient_bool_bias_has_none_and_bias_only_grad_works():
     q, k, v = make_qkv(1, 130, 2, 16, seed=6)
     keep = torch.ones(130, dtype=torch.bool)

@@ -225,6 +225,7 @@ def test_backward_in_one_thread_while_another_leaves_use_backend():
     assert dispatch.choose(p).name == "sdpa"
 
 
+@pytest.mark.slow
 def test_real_backward_in_a_thread_leaves_other_threads_forced_backend_alone():
     import threading
     q, k, v = make_qkv(1, 200, 2, 8, seed=5)
@@ -304,6 +305,7 @@ def test_triton_reasons_say_what_would_help(monkeypatch):
 
 # --- the package layout and the public surface ----------------------------------------------
 
+@pytest.mark.slow
 def test_backends_subpackage_and_listing_function_coexist():
     import importlib
     import subprocess
@@ -481,6 +483,7 @@ def test_backends_cannot_replace_the_generic_checks():
                 return []
 
 
+@pytest.mark.slow
 def test_use_backend_reaches_compiled_calls_at_run_time():
     """The forced backend is read when the custom ops run, not baked in when torch.compile traces."""
     q, k, v = make_qkv(1, 200, 2, 8, seed=3)

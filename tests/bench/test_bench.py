@@ -34,6 +34,7 @@ def quick_run(tmp_path_factory):
     return rc, out, rows
 
 
+@pytest.mark.slow
 def test_quick_writes_csv_markdown_and_plot(quick_run):
     rc, out, rows = quick_run
     assert rc == 0
@@ -46,6 +47,7 @@ def test_quick_writes_csv_markdown_and_plot(quick_run):
     assert "flex" not in {r["backend"] for r in rows} and "- flex: left out by --quick" in md
 
 
+@pytest.mark.slow
 def test_quick_rows_cover_dense_and_portable(quick_run):
     _, _, rows = quick_run
     shapes = {(r["B"], r["T"], r["H"], r["D"]) for r in rows}
@@ -68,6 +70,7 @@ def test_quick_leaves_compiling_flex_out_unless_named():
     assert [line for line in cfg.skipped_lines() if line.startswith("flex: ") and "--backends" in line]
 
 
+@pytest.mark.slow
 def test_quick_numbers_finite_positive_and_accurate(quick_run):
     _, _, rows = quick_run
     for r in rows:
@@ -315,6 +318,7 @@ def test_no_module_level_posix_only_imports():
     assert not offenders
 
 
+@pytest.mark.slow
 def test_runs_without_resource_and_getloadavg(monkeypatch, tmp_path):
     """What Windows lacks (``resource``, ``os.getloadavg``) only removes figures, never the run."""
     import sys

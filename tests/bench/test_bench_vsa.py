@@ -141,6 +141,7 @@ def test_fastvideo_adapter_tiles_transposes_and_returns_raw_order(monkeypatch):
     assert os.environ["FASTVIDEO_VSA_TRITON"] == "keep" and "FASTVIDEO_KERNEL_VSA_FORCE_TRITON" not in os.environ
 
 
+@pytest.mark.slow
 def test_cpu_run_times_dense_and_solattn_forward_and_backward(tmp_path):
     rc = bench.main(["--shapes", "vsa-quick", "--device", "cpu", "--backward", "--repeats", "3",
                      "--out", str(tmp_path)])

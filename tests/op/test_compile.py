@@ -12,6 +12,8 @@ import solattn
 from solattn import pipeline
 from solattn.testing import make_qkv, rel_l2
 
+from tests.support.marks import gpu_marked
+
 
 def test_custom_op_registered_with_fake_impl():
     op = torch.ops.solattn.sol_attn.default
@@ -89,7 +91,7 @@ def _grads(fn, inputs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES))
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_compiled_backward_matches_eager(device, fullgraph):
     """Training through a compiled ``sol_attn``, ``fullgraph=True`` included (the backward is one
@@ -112,7 +114,7 @@ def test_compiled_backward_matches_eager(device, fullgraph):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES))
 def test_compiled_vsa_backward_fullgraph_matches_eager(device):
     """The same for ``video_sparse_attn`` (the same backward op on VSA's route): a gate tensor
     and a prefix, ``fullgraph=True``."""

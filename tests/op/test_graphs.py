@@ -339,6 +339,7 @@ def test_no_cache_is_active_inside_fn():
 
 # ---- CUDA: real graphs ---------------------------------------------------------------------
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_graph_matches_eager_after_inplace_changes():
     torch.manual_seed(0)
@@ -362,6 +363,7 @@ def test_cuda_graph_matches_eager_after_inplace_changes():
     assert not torch.equal(outs[-1], outs[-2])           # contents changed, and so did the result
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_host_sync_fails_capture_warns_and_stays_usable():
     x = torch.arange(8.0, device="cuda")
@@ -385,6 +387,7 @@ def test_cuda_host_sync_fails_capture_warns_and_stays_usable():
     assert cache.stats.captures == 1 and cache.stats.replays == 1
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_clear_releases_graph_memory():
     a = torch.randn(256, 256, device="cuda")
@@ -400,6 +403,7 @@ def test_cuda_clear_releases_graph_memory():
     assert torch.cuda.memory_allocated() == base
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_cuda_sol_attn_triton_replay_matches_eager():
@@ -423,6 +427,7 @@ def test_cuda_sol_attn_triton_replay_matches_eager():
     assert (s.eager_calls, s.captures, s.replays, s.failures) == (1, 1, 2, 0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_sol_attn_inside_cuda_graphs_scope_replays():
     """The wiring: plain no-grad ``sol_attn`` calls inside ``cuda_graphs()`` capture once and then
@@ -454,6 +459,7 @@ def test_cuda_sol_attn_inside_cuda_graphs_scope_replays():
         assert qg.grad is not None and cache2.stats.captures == cache2.stats.replays == 0
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_cuda_graphs_replay_reads_a_bool_key_bias_changed_in_place():
@@ -575,6 +581,7 @@ def test_video_sparse_attn_goes_through_the_active_cache_keyed_by_every_argument
         assert not torch.equal(other, outs[-1][0])
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_cuda_video_sparse_attn_inside_cuda_graphs_scope_replays():

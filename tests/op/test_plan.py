@@ -131,6 +131,7 @@ def test_a_plan_for_another_call_is_refused():
         check(problem, plan.kv_indices)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled flex_attention)")
 def test_compiled_flex_attention_with_the_block_mask_on_cuda():
     """The full/partial split of ``to_block_mask()`` is what a compiled flex kernel reads (the

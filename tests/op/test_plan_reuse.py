@@ -208,6 +208,7 @@ def test_a_selection_of_another_shape_heads_device_or_block_size_is_refused():
         solattn.video_sparse_attn(qv[:, :, :1], kv[:, :, :1], vv[:, :, :1], grid, sparsity=0.5, plan=pv)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kw", [dict(topk_ratio=0.25), dict(tau=0.5, tail=False)], ids=str)
 def test_cuda_triton_reuses_a_plan_forward_and_backward(kw):
@@ -230,6 +231,7 @@ def test_cuda_triton_reuses_a_plan_forward_and_backward(kw):
         assert rel_l2(a.grad.cpu().double(), b.grad) < 2e-2, name
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_replays_of_a_reused_plan_compute_each_calls_own_terms():
     """Inside ``cuda_graphs()`` a call on a given plan is captured once and replayed; each replay

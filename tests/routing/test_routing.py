@@ -140,6 +140,7 @@ print(json.dumps({"working": rss() - before, "M": plan.kv_indices.shape[-1],
 """
 
 
+@pytest.mark.slow
 def test_plan_working_memory_stays_within_the_budget():
     # n = 2048 blocks, 4 heads: a (B, H, n, n) fp32 score tensor alone is 64 MiB, and the int64
     # and bool temporaries of an unchunked plan several times that

@@ -46,6 +46,7 @@ def _inputs(dtype=torch.bfloat16, seed=0, B=2, T=5 * BLOCK - 17, H=2, D=32):
     return make_qkv(B, T, H, D, dtype=dtype, device="cpu", seed=seed)
 
 
+@pytest.mark.slow
 def test_more_shapes_than_the_recompile_limit_all_compile(fresh, monkeypatch):
     """A process that sees more distinct shapes than torch.compile's recompile limit (8) runs
     every one of them on flex, each matching the reference, with no failure recorded. Every

@@ -103,7 +103,7 @@ LOOP_CASES = [
 
 
 @pytest.mark.parametrize("kw", LOOP_CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
-@pytest.mark.parametrize("T", [1, 40, 64, 65, 260])
+@pytest.mark.parametrize("T", [1, 40, 64, 65, pytest.param(260, marks=pytest.mark.slow)])
 def test_reference_matches_plain_loop(kw, T):
     q, k, v = make_qkv(1, T, 2, 8, seed=T)
     got = ref(q, k, v, **kw)
@@ -111,6 +111,7 @@ def test_reference_matches_plain_loop(kw, T):
     assert rel_l2(got, want) < tolerance(torch.float32)
 
 
+@pytest.mark.slow
 def test_reference_loop_block_len_bias_gate():
     T, D = 200, 8
     q, k, v = make_qkv(2, T, 2, D, seed=3)
@@ -302,6 +303,7 @@ def test_shift_invariance_of_keys():
     assert rel_l2(b, a) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dtypes_and_token_aug_has_no_effect(dtype):
     q, k, v = make_qkv(1, 130, 2, 16, dtype=dtype, seed=13)

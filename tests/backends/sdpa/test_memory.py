@@ -68,6 +68,7 @@ SMALL_BUDGET_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
 def test_sdpa_small_budget_bounds_working_memory_at_T_262144():
     """One head's q, k or v alone (32 MiB in bf16) is as large as the whole budget here: the

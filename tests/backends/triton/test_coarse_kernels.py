@@ -21,12 +21,14 @@ triton = pytest.importorskip("triton")
 from solattn.routing.coarse_grad import coarse_block_grads, per_rows  # noqa: E402
 from solattn.testing import triton_interpretable  # noqa: E402
 
+from tests.support.marks import gpu_marked  # noqa: E402
+
 DEVICES = (["cpu"] if triton_interpretable() else []) + (["cuda"] if torch.cuda.is_available() else [])
 if not DEVICES:
     pytest.skip("no CUDA device, and the interpreter needs triton >= 3.9", allow_module_level=True)
 
 
-@pytest.fixture(params=DEVICES)
+@pytest.fixture(params=gpu_marked(DEVICES))
 def device(request, monkeypatch):
     """Each case on the CPU, its kernels in Triton's interpreter, and compiled on a CUDA device."""
     if request.param == "cpu":

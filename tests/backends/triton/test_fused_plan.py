@@ -71,8 +71,9 @@ def _compare(problem, clear=True, tuning=None):
     return got, want
 
 
-@pytest.mark.parametrize("coarse", [False, True])
-@pytest.mark.parametrize("mode", ["topk", "tau"])
+@pytest.mark.parametrize("mode,coarse", [("topk", False), pytest.param("topk", True, marks=pytest.mark.slow),
+                                         pytest.param("tau", False, marks=pytest.mark.slow),
+                                         pytest.param("tau", True, marks=pytest.mark.slow)])
 def test_modes_tail_coarse(mode, coarse):
     q, k, v = make_qkv(2, 600, 2, 64, dtype=torch.bfloat16, seed=1)
     gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(2)).to(q.dtype) if coarse else None
@@ -80,6 +81,7 @@ def test_modes_tail_coarse(mode, coarse):
     _compare(validate(q, k, v, tail=True, coarse_gate=gate, **kw))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["topk", "tau"])
 def test_sinks_and_sink_q_without_tail(mode):
     q, k, v = make_qkv(1, 600, 2, 32, dtype=torch.float16, seed=3)
@@ -91,6 +93,7 @@ def test_sinks_and_sink_q_without_tail(mode):
 # the tail switches on the select kernel's pooled sums and the means of v (NEED_V): the top-k tests
 # below run with and without it
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tail", [True, False])
 @pytest.mark.parametrize("T", [1, 100, 130, 333])
 def test_ragged_T_and_tiny_n(T, tail):
@@ -99,6 +102,7 @@ def test_ragged_T_and_tiny_n(T, tail):
     _compare(validate(q, k, v, topk_ratio=0.4, tail=tail))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topk_tail", [True, False])
 def test_block_len_dead_rows_hold_nan(topk_tail):
     q, k, v = make_qkv(2, 520, 2, 64, dtype=torch.bfloat16, seed=5)
@@ -113,6 +117,7 @@ def test_block_len_dead_rows_hold_nan(topk_tail):
         assert got.tail_value is None or torch.isfinite(got.tail_value).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tail", [True, False])
 def test_topk_ties_select_more_than_k(tail):
     # identical key blocks: every centred key mean is 0, every score 0, so every block ties at
@@ -123,6 +128,7 @@ def test_topk_ties_select_more_than_k(tail):
     assert (got.kv_num_blocks == 8).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tail", [True, False])
 @pytest.mark.parametrize("ratio", [0.25, 0.4])
 def test_topk_threshold_with_partial_ties(ratio, tail):
@@ -147,6 +153,7 @@ def test_topk_threshold_with_partial_ties(ratio, tail):
         "some row keeps more than k + forced blocks: a tie at its threshold"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scores_here", [True, False])
 @pytest.mark.parametrize("tail", [True, False])
 @pytest.mark.parametrize("mode", ["topk", "tau"])
@@ -158,6 +165,7 @@ def test_scores_from_either_kernel(mode, scores_here, tail):
     _compare(validate(q, k, v, tail=tail, sink_blocks=(0, 1), **kw), tuning={"scores_here": scores_here})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["topk", "tau", "forced"])
 def test_pooled_terms_in_small_tiles(mode):
     # several row tiles and key chunks of the pooled-terms kernel (n = 21: 16-row tiles, 16-block
@@ -174,6 +182,7 @@ def test_pooled_terms_in_small_tiles(mode):
              tuning={"pool_bi": 16, "pool_bj": 16})
 
 
+@pytest.mark.slow
 def test_sol_attn_triton_uses_fused_plan_and_matches_torch_plan(monkeypatch):
     q, k, v = make_qkv(2, 400, 2, 64, dtype=torch.bfloat16, seed=9)
     gate = torch.rand(q.shape, generator=torch.Generator().manual_seed(4)).to(q.dtype)
@@ -233,6 +242,7 @@ def test_dot_precision_follows_the_device(monkeypatch):
     assert fused.dot_precision(cuda) == "tf32x3"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["topk", "tau"])
 def test_launch_settings_of_large_problems(mode):
     # at H3 the bisection kernel takes 2 rows per program (4 of a select program's 16 rows at a
@@ -276,6 +286,7 @@ def _assert_vsa_clear(problem, k_vid, P, mode, margin=1e-4):
     assert float(gap.min()) > margin, float(gap.min())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exempt", "compete"])
 @pytest.mark.parametrize("segments,gate", [((), False), ((100, 30), False), ((70,), True)])
 def test_vsa_plan_matches_torch_plan(mode, segments, gate):
@@ -314,6 +325,7 @@ def test_vsa_plan_matches_torch_plan(mode, segments, gate):
         build_vsa_plan(problem, n_video + 1, P, mode, fused=True)
 
 
+@pytest.mark.slow
 def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, tma_everywhere):
     grid, segments = (4, 8, 8), (70,)
     T = sum(segments) + 4 * 8 * 8
@@ -360,6 +372,7 @@ def test_video_sparse_attn_triton_uses_fused_vsa_plan(monkeypatch, tma_everywher
     assert tables == [True]
 
 
+@pytest.mark.slow
 def test_tma_with_block_len_only_where_dead_rows_are_zeros(tma_everywhere):
     """A caller's block_len promises nothing about its dead rows (they may hold NaN): the triton
     backend keeps pointer loads there; VSA's tiled problems (dead_rows_zero) take TMA loads."""
@@ -389,6 +402,7 @@ def test_tma_with_block_len_only_where_dead_rows_are_zeros(tma_everywhere):
     torch.testing.assert_close(got[:, live].float(), want[:, live].float(), rtol=2 ** -7, atol=2 ** -7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exempt", "compete"])
 @pytest.mark.parametrize("value", [float("inf"), float("-inf")])
 def test_vsa_plan_with_an_infinite_key_matches_torch_plan(mode, value):
@@ -421,6 +435,7 @@ def _kth_scores(kind, rows, n, gen):
     return s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["normal", "spread", "ties", "inf"])
 @pytest.mark.parametrize("n", [64, 70, 583])
 def test_kth_kernel_finds_the_kth_largest_key(kind, n):

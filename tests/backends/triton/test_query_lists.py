@@ -14,6 +14,7 @@ if not triton_interpretable():
 
 from solattn.routing import Plan  # noqa: E402
 from tests.backends.triton.test_vsa_backward import OpCounts, counted_launches  # noqa: E402,F401
+from tests.support.marks import gpu_marked  # noqa: E402
 
 
 def selection(B, H, n, seed, kept=None, prefix=0, exempt=0, empty_rows=0):
@@ -80,7 +81,7 @@ SLOW = {"H3-583-blocks", "2048-blocks"}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES))
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_kernel_lists_equal_the_torch_path(case, device, monkeypatch):
     B, H, n, kw = CASES[case]
@@ -93,7 +94,7 @@ def test_kernel_lists_equal_the_torch_path(case, device, monkeypatch):
     assert torch.equal(got[0].cpu(), mask.sum(dim=2, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES))
 def test_kernel_reads_only_the_counted_entries_at_any_strides(device, monkeypatch):
     """Lists that are a view into wider rows, with junk after each count: the kernel reads the
     counted entries through the strides, as the torch path reads them through the dense mask."""
@@ -135,7 +136,7 @@ def test_n_wide_plan_takes_the_kernel_and_others_the_torch_path(monkeypatch, cou
     assert "kernel:query_lists_kernel" not in ops.ops and ops.ops["scatter_"] == 2, ops.ops
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES))
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int16])
 def test_lists_of_another_integer_dtype_give_the_same_int32_lists(dtype, device, monkeypatch):
     """A plan whose counts and lists are another integer dtype (one a caller built) transposes as

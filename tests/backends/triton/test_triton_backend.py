@@ -65,6 +65,7 @@ def _check(problem, tol=TOL, config=None):
 
 # ----------------------------------------------------------------------------- modes and tail
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tail", [False, True])
 @pytest.mark.parametrize("mode", ["topk", "tau"])
 def test_modes_and_tail(mode, tail):
@@ -73,17 +74,20 @@ def test_modes_and_tail(mode, tail):
     _check(validate(q, k, v, tail=tail, **kw))
 
 
+@pytest.mark.slow
 def test_fp16_and_b2():
     q, k, v = make_qkv(2, 200, 2, 64, dtype=torch.float16, seed=20)
     _check(validate(q, k, v, topk_ratio=0.25, tail=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 30, 65, 200])
 def test_ragged_T(T):
     q, k, v = make_qkv(1, T, 1, 64, dtype=torch.bfloat16, seed=30 + T)
     _check(validate(q, k, v, topk_ratio=0.4, tail=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", [-0.2, 0.0, 0.3])
 def test_any_finite_scale(scale):
     """A positive scale is folded into the softmax's multiply-add (the row max is taken on the raw
@@ -101,6 +105,7 @@ def test_any_finite_scale(scale):
 
 # ----------------------------------------------------------------------------- key_bias
 
+@pytest.mark.slow
 def test_key_bias_float_b2():
     B, T = 2, 200
     q, k, v = make_qkv(B, T, 2, 64, dtype=torch.bfloat16, seed=40)
@@ -110,6 +115,7 @@ def test_key_bias_float_b2():
     _check(validate(q, k, v, topk_ratio=0.3, tail=True, key_bias=bias))
 
 
+@pytest.mark.slow
 def test_key_bias_bool_all_masked_tail_off_is_zero():
     q, k, v = make_qkv(1, 130, 2, 64, dtype=torch.bfloat16, seed=50)
     keep = torch.zeros(130, dtype=torch.bool)
@@ -117,12 +123,14 @@ def test_key_bias_bool_all_masked_tail_off_is_zero():
     assert (got == 0).all() and (ref == 0).all()
 
 
+@pytest.mark.slow
 def test_key_bias_all_masked_tail_on_gives_tail():
     q, k, v = make_qkv(1, 130, 2, 64, dtype=torch.bfloat16, seed=55)
     bias = torch.full((1, 1, 1, 130), -math.inf)
     _check(validate(q, k, v, tau=0.5, tail=True, key_bias=bias))
 
 
+@pytest.mark.slow
 def test_key_bias_some_query_blocks_fully_masked():
     # tau very high: only the forced neighbours are exact; masking blocks 0..2 leaves
     # query blocks 0 and 1 with every exact key masked -> 0 rows (tail off)
@@ -137,6 +145,7 @@ def test_key_bias_some_query_blocks_fully_masked():
 
 # ----------------------------------------------------------------------------- block_len
 
+@pytest.mark.slow
 def test_block_len_dead_rows():
     T = 200  # n = 4, last block has 8 rows
     q, k, v = make_qkv(1, T, 2, 64, dtype=torch.bfloat16, seed=70)
@@ -145,6 +154,7 @@ def test_block_len_dead_rows():
     assert torch.isfinite(got).all()
 
 
+@pytest.mark.slow
 def test_block_len_with_bias_and_coarse():
     T = 256
     q, k, v = make_qkv(1, T, 1, 64, dtype=torch.bfloat16, seed=75)
@@ -156,16 +166,19 @@ def test_block_len_with_bias_and_coarse():
 
 # ----------------------------------------------------------------------------- sinks, coarse
 
+@pytest.mark.slow
 def test_sinks_and_sink_q():
     q, k, v = make_qkv(1, 300, 2, 64, dtype=torch.bfloat16, seed=80)
     _check(validate(q, k, v, topk_ratio=0.2, tail=True, sink_blocks=(0, 1), sink_q=(2, 3)))
 
 
+@pytest.mark.slow
 def test_sinks_at_the_edge_tau():
     q, k, v = make_qkv(1, 300, 1, 64, dtype=torch.bfloat16, seed=85)
     _check(validate(q, k, v, tau=1.0, tail=True, sink_blocks=(4, 9), sink_q=(0, 1)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tail", [False, True])
 def test_coarse_gate(tail):
     q, k, v = make_qkv(2, 200, 2, 64, dtype=torch.bfloat16, seed=90)
@@ -173,6 +186,7 @@ def test_coarse_gate(tail):
     _check(validate(q, k, v, topk_ratio=0.3, tail=tail, coarse_gate=gate))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_len", [False, True])
 def test_tma_descriptor_loads(block_len):
     # B=2 and a ragged T: rows past T come back zero-filled from the descriptor and are masked;
@@ -252,6 +266,7 @@ def test_interpreter_run_leaves_triton_unpatched():
 
 # ----------------------------------------------------------------------------- layouts
 
+@pytest.mark.slow
 def test_strided_and_permuted_inputs():
     B, T, H, D = 2, 200, 2, 64
     q = _rand((B, H, T, D), torch.bfloat16, 100).permute(0, 2, 1, 3)        # (B, T, H, D) view
@@ -267,6 +282,7 @@ def test_strided_and_permuted_inputs():
     assert torch.equal(got, same), "strides changed the result"
 
 
+@pytest.mark.slow
 def test_centring_is_shift_invariant():
     q, k, v = make_qkv(1, 200, 1, 64, dtype=torch.float16, seed=110)
     shift = _rand((64,), torch.float32, 111) * 4

@@ -24,6 +24,8 @@ from solattn.routing import build_plan  # noqa: E402
 from solattn.testing import dense_gradient_error, live_rows, make_qkv, rel_l2, tolerance  # noqa: E402
 from solattn.validation import validate  # noqa: E402
 
+from tests.support.marks import gpu_marked, on_gpu  # noqa: E402
+
 DEVICES = (["cpu"] if INTERPRETER_OK else []) + (["cuda"] if torch.cuda.is_available() else [])
 if not DEVICES:
     pytest.skip(f"no CUDA device, and the interpreter needs triton >= 3.9 (found {triton.__version__})",
@@ -115,8 +117,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,device", [
+    pytest.param(c, d, id=f"{c}-{d}", marks=pytest.mark.gpu if on_gpu(d)
+                 else () if c == "topk-notail-gate-bias-bf16" else pytest.mark.slow)
+    for d in DEVICES for c in CASES])
 def test_sol_attn_fused_gradients_match_reference(case, device, fused_calls):
     T, H, D, dtype, kw = CASES[case]
     kw = dict(kw)
@@ -145,7 +149,7 @@ def test_sol_attn_fused_gradients_match_reference(case, device, fused_calls):
     _check(call("triton"), call("reference"), tensors, names, w, dtype, fused_calls)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES, cpu_slow=True))
 @pytest.mark.parametrize("tma", [True, False])
 def test_backward_block_loads_match_reference(tma, device, fused_calls, monkeypatch):
     """The inner loops' block loads through TMA descriptors or pointers (``BackwardConfig.tma``;
@@ -187,7 +191,7 @@ def test_backward_block_loads_match_reference(tma, device, fused_calls, monkeypa
     assert made == ([4, 4] if tma else [])
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES, cpu_slow=True))
 def test_dq_with_a_common_key_offset_matches_reference(device, fused_calls):
     """Keys far from the origin (a common offset of 4 in every dim), a tail: the tail key's share
     of dq (through the key mean, about the offset) and the centring of the exact keys' terms are
@@ -205,7 +209,7 @@ def test_dq_with_a_common_key_offset_matches_reference(device, fused_calls):
     _check(call("triton"), call("reference"), [q, k, v], ["q", "k", "v"], w, torch.bfloat16, fused_calls)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES, cpu_slow=True))
 def test_video_sparse_attn_fused_gradients_match_reference(device, fused_calls):
     """VSA: prefix segments, partial cubes (dead rows in the tiled layout), a tensor gate; the
     oracle is the same call through sdpa in fp32, whose gradients test_video checks against
@@ -224,7 +228,7 @@ def test_video_sparse_attn_fused_gradients_match_reference(device, fused_calls):
     _check(call("triton"), call("sdpa"), [q, k, v, gate], ["q", "k", "v", "gate"], w, torch.float16, fused_calls)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES, cpu_slow=True))
 def test_bool_key_bias_has_no_gradient_and_masked_keys_get_none(device, fused_calls):
     T = 150
     q, k, v = make_qkv(1, T, 1, 32, dtype=torch.float16, device=device, seed=4)
@@ -260,7 +264,7 @@ def test_query_lists_transpose_the_selection():
     assert (q_idx[..., 1:][used[..., 1:]] > q_idx[..., :-1][used[..., 1:]]).all()   # ascending
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES, cpu_slow=True))
 def test_forward_lse_is_the_rows_log_sum_exp(device):
     """The forward's LSE (base 2, uncentred logits, tail key included) equals the log-sum-exp of
     the definition's logits plus the row's centring shift scale q.m."""
@@ -294,7 +298,7 @@ def test_forward_lse_is_the_rows_log_sum_exp(device):
     assert rel_l2(fine, ref) < rel_l2(out.float(), ref)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES, cpu_slow=True))
 def test_backward_takes_the_forwards_plan(device, monkeypatch, fused_calls, plan_refs):
     """Without tail or gate the backward reuses the plan the forward built (handed to the autograd
     node) instead of rebuilding it, also in a second backward of a retained graph, and its
@@ -334,7 +338,7 @@ def test_backward_takes_the_forwards_plan(device, monkeypatch, fused_calls, plan
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES, cpu_slow=True))
 def test_training_forward_selects_what_the_backward_rebuilds(device, monkeypatch, fused_calls):
     """With a tail (or gate) the backward rebuilds the plan through the torch path, so a forward
     that may be differentiated builds it that way too (the fused plan's products round otherwise:
@@ -411,7 +415,7 @@ def test_traced_and_transformed_calls_go_through_the_op():
         assert rel_l2(batched[:, 0], f(q, k, v)) < 1e-6
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", gpu_marked(DEVICES, cpu_slow=True))
 def test_fused_backward_under_compile_fullgraph(device, fused_calls):
     """A compiled training step with ``fullgraph=True``: the traced backward is one op
     (``solattn::sol_attn_backward``, for both functions) that runs the fused backward at

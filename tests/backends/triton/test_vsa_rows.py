@@ -46,8 +46,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 #: every case, way of loading and device; on the CPU the first case with pointer loads in the
 #: default run
 FORWARD_CASES = [pytest.param(*case, load, device, id=f"{case[0]}-P{case[2]}-{case[3]}-{load}-{device}",
-                              marks=() if (i, load, device) == (0, "pointer", "cpu") or device != "cpu"
-                              else pytest.mark.slow)
+                              marks=pytest.mark.gpu if device != "cpu"
+                              else () if (i, load) == (0, "pointer") else pytest.mark.slow)
                  for i, case in enumerate(CASES) for load in LOADS for device in DEVICES]
 
 
@@ -299,6 +299,7 @@ def test_tiled_copies_of_tensors_an_odd_number_of_bytes_apart_are_exact():
         assert torch.equal(copy, tiling.to_tiled(x, lay))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's copies of GPU tensors")
 def test_tiled_copies_of_gpu_tensors_under_the_interpreter(monkeypatch):
     """Under ``TRITON_INTERPRET=1`` GPU tensors reach a kernel as host copies of their storages, so

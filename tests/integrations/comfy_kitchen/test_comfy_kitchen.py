@@ -91,12 +91,14 @@ def run_python(code, env_value=None):
 
 # --------------------------------------------------------------------------- import and install
 
+@pytest.mark.slow
 def test_import_solattn_does_not_import_comfy_kitchen():
     res = run_python("import sys, solattn; print(sorted(m for m in sys.modules if 'comfy_kitchen' in m))")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_install_from_env_installs_what_the_variable_asks():
     code = ("import solattn, comfy_kitchen as ck\n"
             "from comfy_kitchen.registry import registry as r\n"
@@ -435,6 +437,7 @@ def test_comfyui_custom_node_logs_plugin_errors_and_keeps_the_node(caplog, monke
     assert len(errors) == 1 and "plug-in not installed" in errors[0] and message in errors[0]
 
 
+@pytest.mark.slow
 def test_comfyui_custom_node_registers_the_node_when_the_variable_is_bad():
     """A fresh process (solattn not imported yet) where the variable's value is not a device type:
     the folder still registers the node and logs the plug-in's error."""

@@ -44,6 +44,7 @@ def test_auto_runs_vsa_with_the_gates_of_the_loaded_file_and_each_block_equals_t
         assert call["rel_diff_vs_zero_gate"] > 1e-3 and call["rel_diff_vs_dense"] > 1e-3, call
 
 
+@pytest.mark.slow
 def test_without_gates_auto_keeps_sol_attn_and_forced_vsa_runs_the_fine_stage(tmp_path):
     result = run_host(tmp_path, model="fastwan", fastwan_gates="drop", patches=[fastwan_node("auto")])
     assert_completed(result)
@@ -57,6 +58,7 @@ def test_without_gates_auto_keeps_sol_attn_and_forced_vsa_runs_the_fine_stage(tm
         assert call["rel_diff_vs_zero_gate"] <= 1e-5, call            # FastVideo's zero gate: fine only
 
 
+@pytest.mark.slow
 def test_schedule_window_keeps_early_steps_dense(tmp_path):
     result = run_host(tmp_path, model="fastwan", patches=[fastwan_node("auto", start_percent=0.4)],
                       capture={"keep_percent": KEEP})
@@ -67,6 +69,7 @@ def test_schedule_window_keeps_early_steps_dense(tmp_path):
     assert all(c["rel_err_vs_definition"] <= 1e-5 for c in second), second
 
 
+@pytest.mark.slow
 def test_an_ltx_style_gate_is_refused_naming_the_key(tmp_path):
     result = run_host(tmp_path, model="fastwan", fastwan_gates="ltx", patches=[fastwan_node("auto")])
     assert result["valid"] and not result["success"]
@@ -74,6 +77,7 @@ def test_an_ltx_style_gate_is_refused_naming_the_key(tmp_path):
     assert "per-head gate" in result["error"] and "(2, 128)" in result["error"]
 
 
+@pytest.mark.slow
 def test_node_lists_the_gate_choices(tmp_path):
     result = run_host(tmp_path, model="fastwan", patches=[fastwan_node("auto", vsa_gates="none")])
     assert_completed(result)
@@ -81,6 +85,7 @@ def test_node_lists_the_gate_choices(tmp_path):
     assert NODE in result["node_types"]
 
 
+@pytest.mark.slow
 def test_a_deep_copy_of_the_patched_model_runs_its_own_modules(tmp_path):
     # ComfyUI's multi-GPU clones and non-dynamic delegates copy the object patches onto a fresh copy
     # of the model: the patches must run that copy's self-attention, not the first model's

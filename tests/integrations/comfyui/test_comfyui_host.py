@@ -105,8 +105,12 @@ def assert_calls_equal_solattn(result, sparse=lambda call: True, count=2 * 3):
 
 
 @pytest.mark.parametrize("method, runs, extra, checkpoint", [
-    ("vsa", "vsa", {}, {}), ("vsa", "vsa", {"vsa_prefix": "compete"}, {}), ("sol-attn", "sol-attn", {}, {}),
-    ("sla", "sla", {}, {}), ("auto", "vsa", {}, {}), ("auto", "sol-attn", {}, {"gate": False})],
+    pytest.param("vsa", "vsa", {}, {}, marks=pytest.mark.slow),
+    pytest.param("vsa", "vsa", {"vsa_prefix": "compete"}, {}, marks=pytest.mark.slow),
+    pytest.param("sol-attn", "sol-attn", {}, {}, marks=pytest.mark.slow),
+    pytest.param("sla", "sla", {}, {}, marks=pytest.mark.slow),
+    ("auto", "vsa", {}, {}),
+    pytest.param("auto", "sol-attn", {}, {"gate": False}, marks=pytest.mark.slow)],
     ids=["vsa", "vsa-compete", "sol-attn", "sla", "auto-fasth3", "auto-no-gate"])
 def test_prompt_runs_sparse_and_each_block_equals_solattn(tmp_path, method, runs, extra, checkpoint):
     result = run_host(tmp_path, patches=[sparse_node(method, **extra)], checkpoint=checkpoint,
@@ -123,6 +127,8 @@ def test_prompt_runs_sparse_and_each_block_equals_solattn(tmp_path, method, runs
     assert_calls_equal_solattn(result)
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("method, order", [("vsa", "builtin-first"), ("vsa", "builtin-after"),
                                            ("sol-attn", "builtin-after")])
 @pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA the built-in node runs comfy-kitchen's own kernel")
@@ -146,6 +152,7 @@ def test_builtin_sparse_node_in_either_order(tmp_path, method, order):
     assert_calls_equal_solattn(result)
 
 
+@pytest.mark.slow
 def test_builtin_node_values_carry_over(tmp_path):
     """The built-in node's inputs, values and all, with only the node type changed: the prompt
     validates and runs vsa at its keep_percent; verbose False keeps the per-call lines quiet and
@@ -160,6 +167,7 @@ def test_builtin_node_values_carry_over(tmp_path):
     assert_calls_equal_solattn(result)
 
 
+@pytest.mark.slow
 def test_dense_blocks_and_schedule_window_are_each_logged(tmp_path):
     """dense_blocks "0, 2": one line per listed block; the window's line gives percent and sigma.
     end_percent 0.01 leaves the second step (sigma 0.92) outside the window."""
@@ -174,6 +182,7 @@ def test_dense_blocks_and_schedule_window_are_each_logged(tmp_path):
     assert_calls_equal_solattn(result, sparse=lambda call: call["block"] == 1 and call["sigma"] == 1.0)
 
 
+@pytest.mark.slow
 def test_dense_fallback_keeps_the_checkpoint_attention(tmp_path):
     """A call the node keeps dense runs the checkpoint's own attention choice (ComfyUI's
     preferred_attention), as it would without the node: 3 blocks x 2 steps."""
@@ -185,6 +194,7 @@ def test_dense_fallback_keeps_the_checkpoint_attention(tmp_path):
         f"dense: block {i} is in dense_blocks" for i in range(3)]
 
 
+@pytest.mark.slow
 def test_node_folder_registry_entry_and_example_workflow(tmp_path):
     """ComfyUI's own parser reads the folder's pyproject.toml (the custom-node registry entry), and
     the FastH3 example workflow uses only node types this ComfyUI has, linked by matching types,

@@ -143,6 +143,7 @@ def generic_direct(model, x, context, **sol):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,sol", [("sol-attn", dict(tau=1.3)), ("sla", dict(topk_ratio=0.25))])
 @torch.no_grad()
 def test_generic_override_equals_direct_sol_attn(comfy, caplog, method, sol):

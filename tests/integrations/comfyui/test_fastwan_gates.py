@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.support.fastwan_tiny import SHAPE, fastwan_state_dict  # noqa: E402
+from tests.support.fastwan_tiny import SHAPE, fastwan_state_dict
 
-from solattn.integrations import fastwan  # noqa: E402
-from solattn.integrations.comfyui import wan  # noqa: E402
+from solattn.integrations import fastwan
+from solattn.integrations.comfyui import wan
 
 DIM = SHAPE["heads"] * SHAPE["head_dim"]
 

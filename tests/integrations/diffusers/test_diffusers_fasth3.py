@@ -136,6 +136,7 @@ def test_layout_read_from_forward_arguments():
     assert isinstance(reason, str) and "raster grid" in reason
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exempt", "compete"])
 def test_block_attention_equals_float64_definition(mode):
     model = tiny_model()
@@ -159,6 +160,7 @@ def test_block_attention_equals_float64_definition(mode):
     assert rel(dense_expected, expected) > 2e-2
 
 
+@pytest.mark.slow
 def test_transformer_equals_float64_reference_model(dense_output):
     model, gates = tiny_model(), tiny_gates()
     reference = copy.deepcopy(model)
@@ -172,6 +174,7 @@ def test_transformer_equals_float64_reference_model(dense_output):
     assert rel(out, dense_output) > 1e-3          # and it is not the dense model
 
 
+@pytest.mark.slow
 def test_outside_the_window_dense_bit_for_bit_and_disable_restores(caplog):
     model, untouched = tiny_model(), tiny_model()
     fasth3.enable_fasth3(model, tiny_gates(), start_percent=0.5)      # sparse while sigma <= 0.923
@@ -190,6 +193,7 @@ def test_outside_the_window_dense_bit_for_bit_and_disable_restores(caplog):
         assert torch.equal(model(**late)[0], untouched(**late)[0])
 
 
+@pytest.mark.slow
 def test_dense_blocks_and_attention_backend_reach_the_dense_processor():
     model = tiny_model()
     fasth3.enable_fasth3(model, tiny_gates(), dense_blocks=[0])
@@ -224,6 +228,7 @@ def test_gate_keys_missing_are_named_and_nothing_changes():
     assert not hasattr(model.transformer_blocks[0].attn, "to_gate_compress") and not model._forward_pre_hooks
 
 
+@pytest.mark.slow
 def test_a_compiled_wrapper_reaches_its_module_and_enabling_twice_is_refused():
     model = tiny_model()
     compiled = torch.compile(model)                       # not run: only the wrapper matters here

@@ -108,7 +108,8 @@ def check_blocks(calls, grid, sparsity=SPARSITY):
     return errors
 
 
-@pytest.mark.parametrize("latent, grid", [((5, 12, 20), (5, 6, 10)), ((4, 8, 16), (4, 4, 8))],
+@pytest.mark.parametrize("latent, grid", [((5, 12, 20), (5, 6, 10)),
+                                          pytest.param((4, 8, 16), (4, 4, 8), marks=pytest.mark.slow)],
                          ids=["grid-5x6x10-partial-cubes", "grid-4x4x8"])
 def test_block_attention_equals_float64_definition(folder, latent, grid, caplog):
     model = load(folder)
@@ -144,6 +145,7 @@ def test_pipeline_step_runs_vsa_with_the_gates(folder, caplog):
     assert torch.equal(again, dense)
 
 
+@pytest.mark.slow
 def test_window_dense_fallback_is_logged_and_disable_restores(folder, caplog):
     model = load(folder)
     x = inputs(5, 12, 20, timestep=999.0)
@@ -162,6 +164,7 @@ def test_window_dense_fallback_is_logged_and_disable_restores(folder, caplog):
         assert torch.equal(model(**x)[0], before)
 
 
+@pytest.mark.slow
 def test_dense_blocks_run_the_previous_processor(folder):
     model = load(folder)
     integration.enable_vsa(model, folder, sparsity=SPARSITY, dense_blocks=[1])
@@ -175,6 +178,7 @@ def test_dense_blocks_run_the_previous_processor(folder):
     assert rel(out, attn1_reference(attn, x, rotary, gates_of(0), (5, 6, 10), SPARSITY)) < 1e-5
 
 
+@pytest.mark.slow
 def test_no_gates_runs_the_fine_stage_only(folder, caplog):
     model = load(folder)
     with caplog.at_level(logging.WARNING, "solattn.diffusers"):
@@ -217,6 +221,7 @@ def test_bad_gates_are_refused_naming_the_key_and_nothing_changes(folder, case):
     assert not hasattr(model.blocks[0].attn1, "to_gate_compress") and not hasattr(model, integration.STATE_ATTR)
 
 
+@pytest.mark.slow
 def test_converted_comfyui_file_gates_and_keys(folder, tmp_path):
     out = tmp_path / "fastwan_comfy.safetensors"
     counts = fastwan.convert_to_comfyui(folder, out)
