@@ -47,9 +47,11 @@ mkdir -p "$RESULTS"
 echo "solattn $SOLATTN_REVISION on $DEVICE; results under $RESULTS"
 
 # the test files, split in two halves of about equal time on a GPU host
-TESTS_A="tests/backends/test_backends.py tests/backends/triton/test_triton_backend.py tests/backends/triton/test_triton_backward.py tests/op/test_compile.py
-         tests/op/test_graphs.py tests/test_readme.py tests/backends/triton/test_fused_plan.py tests/backends/reference/test_reference.py
-         tests/routing/test_routing.py tests/op/test_validation.py tests/backends/test_own_backward.py tests/op/test_plan.py"
+TESTS_A="tests/backends/test_backends.py tests/backends/triton/test_triton_backend.py
+         tests/backends/triton/test_triton_backward.py tests/backends/triton/test_fused_plan.py
+         tests/backends/reference/test_reference.py tests/backends/test_own_backward.py tests/op/test_compile.py
+         tests/op/test_graphs.py tests/op/test_validation.py tests/op/test_plan.py tests/routing/test_routing.py
+         tests/test_readme.py"
 TESTS_B=$(find tests -name "test_*.py" | sort | grep -v -x -F -f <(echo "$TESTS_A" | tr ' ' '\n' | grep .))
 
 # pytest-xdist when importable: one worker per core
