@@ -110,7 +110,8 @@ def device_folder(nproc: int = 1) -> str:
         from solattn.backends.flex import amx_usable
         return "cpu-amx" if amx_usable() else "cpu"
     words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "intel", "r", "tm")]
-    base = "-".join(words[-2:] if len(words) > 2 else words) or "gpu"
+    model = next((w for w in words if re.fullmatch(r"[a-z]+[0-9]+[a-z]*", w)), None)   # h100, a770
+    base = model or "-".join(words[-2:] if len(words) > 2 else words) or "gpu"
     return base + (f"x{nproc}" if nproc > 1 else "")
 
 
