@@ -36,7 +36,7 @@ from torch import nn
 from ..validation import SUPPORTED_DTYPES
 from ..video import video_sparse_attn
 from . import diffusers_gates, fastwan
-from .diffusers import STATE_ATTR, FastH3Processor, _check_settings, percent_to_sigma
+from .diffusers_h3 import STATE_ATTR, FastH3Processor, _check_settings, percent_to_sigma
 
 log = logging.getLogger("solattn.diffusers")
 
