@@ -56,8 +56,9 @@ def _safetensors_files(source) -> List[Path]:
     return files
 
 
-def _read_gate_tensors(files: List[Path]) -> Tuple[Dict[str, torch.Tensor], int]:
-    """Gate tensors of the files (lazily: only gate keys are loaded) and the number of keys seen."""
+def read_matching(files, pattern: "re.Pattern") -> Tuple[Dict[str, torch.Tensor], int]:
+    """The tensors of the safetensors ``files`` whose keys match ``pattern`` (lazily: only those are
+    loaded) and the number of keys seen."""
     from safetensors import safe_open
 
     tensors, seen = {}, 0
@@ -66,7 +67,7 @@ def _read_gate_tensors(files: List[Path]) -> Tuple[Dict[str, torch.Tensor], int]
             keys = list(handle.keys())
             seen += len(keys)
             for key in keys:
-                if _KEY.match(key):
+                if pattern.match(key):
                     tensors[key] = handle.get_tensor(key)
     return tensors, seen
 
@@ -83,7 +84,7 @@ def gate_tensors(gates) -> Tuple[Dict[str, torch.Tensor], int, List[str]]:
         return matched, len(gates), others
     if isinstance(gates, (str, os.PathLike)) or (isinstance(gates, (list, tuple)) and gates
                                                   and all(isinstance(p, (str, os.PathLike)) for p in gates)):
-        tensors, seen = _read_gate_tensors(_safetensors_files(gates))
+        tensors, seen = read_matching(_safetensors_files(gates), _KEY)
         return tensors, seen, []
     _fail("gates", f"{type(gates).__name__}", "a state dict, a safetensors file or folder, a list of "
           "safetensors files, or None (no gates: the fine stage only)", TypeError)

@@ -123,16 +123,8 @@ def gate_tensors(gates, caller: str = "fastwan") -> Tuple[Dict[str, torch.Tensor
         return out, len(gates)
     if isinstance(gates, (str, os.PathLike)) or (isinstance(gates, (list, tuple)) and gates and all(
             isinstance(p, (str, os.PathLike)) for p in gates)):
-        from safetensors import safe_open
-        out, seen = {}, 0
-        for path in safetensors_files(gates, caller):
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                keys = list(handle.keys())
-                seen += len(keys)
-                for key in keys:
-                    if GATE_KEY.match(key):
-                        out[key] = handle.get_tensor(key)
-        return out, seen
+        from .diffusers_gates import read_matching
+        return read_matching(safetensors_files(gates, caller), GATE_KEY)
     _fail(caller, "gates", type(gates).__name__, "a FastWan transformer folder, a safetensors file, a list of "
                                                  "them, a state dict, or None", TypeError)
 
