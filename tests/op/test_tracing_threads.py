@@ -18,6 +18,14 @@ import solattn
 from solattn import dispatch, modes
 from solattn.budget import current_budget
 from solattn.testing import make_qkv
+from torch.torch_version import TorchVersion
+
+# torch 2.11 (the GPU host's) raises the compile flag only inside traced code, so the case these
+# tests build does not arise there; and a compile in the main thread after the second thread's
+# crashed that process (a fatal error inside Dynamo's frame conversion)
+pytestmark = pytest.mark.skipif(TorchVersion(torch.__version__.split("+")[0]) < "2.13",
+                                reason="torch 2.13+: the process-wide compile flag these tests provoke "
+                                       "(and torch 2.11 crashed compiling from two threads in turn)")
 
 
 @pytest.fixture
@@ -44,11 +52,7 @@ def compile_elsewhere():
     assert inside.wait(60), "the second thread's compile did not start"
     assert not failure, failure
     try:
-        if not torch.compiler.is_compiling():
-            # torch 2.11 raises the flag only inside traced code, not while a backend compiles:
-            # no other thread can then read it wrongly, and there is nothing to test
-            pytest.skip(f"torch {torch.__version__} keeps torch.compiler.is_compiling() down in other threads "
-                        "while a backend compiles")
+        assert torch.compiler.is_compiling()        # the process-wide flag is up
         yield
     finally:
         release.set()
