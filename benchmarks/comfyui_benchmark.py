@@ -1,7 +1,10 @@
-"""CPU timing of the node in a real ComfyUI: the tiny FastH3-shaped model sampled for 2 steps, dense
-(no node) and through the node (vsa, sol-attn), alternating in one process per size.
+"""CPU timing of the node in a real ComfyUI: a tiny random model sampled, dense (no node) and through
+the node, alternating in one process per size: the FastH3-shaped MiniMax-H3 for 2 steps (node on vsa
+and sol-attn), or with ``--model fastwan`` a FastWan-shaped Wan2.1 (2 blocks, 2 heads of 128, its
+gates) for 3 steps (node on auto, which runs vsa with the loaded file's gates).
 
     SOLATTN_COMFYUI=/path/to/ComfyUI python benchmarks/comfyui_benchmark.py OUT.md [--sizes 512x256x22 ...]
+    SOLATTN_COMFYUI=/path/to/ComfyUI python benchmarks/comfyui_benchmark.py OUT.md --model fastwan
 
 (``SOLATTN_COMFYUI_DEVICE=gpu`` runs ComfyUI on the accelerator it finds instead of ``--cpu``.)
 
@@ -30,15 +33,22 @@ def node(selection, keep=10.0, **extra):
 
 
 VARIANTS = {"dense (no node)": [], "node vsa, keep 10%": node("vsa"), "node sol-attn, tau 1.3": node("sol-attn")}
+FASTWAN_VARIANTS = {"dense (no node)": [], "node auto (vsa with the file's gates), keep 20%": node("auto", keep=20.0)}
+#: per model: variants, sampling steps, default sizes (WIDTHxHEIGHTxLENGTH of the empty latent)
+MODELS = {"h3": (VARIANTS, 2, ["512x256x22", "1024x512x39"]),
+          "fastwan": (FASTWAN_VARIANTS, 3, ["160x96x17", "256x256x29"])}
 
 
-def run(comfyui, width, height, length, repeats):
+def run(comfyui, width, height, length, repeats, model="h3"):
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "comfy")
         os.makedirs(base)
         cfg = {"comfyui": comfyui, "base": base, "result": os.path.join(tmp, "result.json"),
                "device": os.environ.get("SOLATTN_COMFYUI_DEVICE", "cpu"), "width": width,
-               "height": height, "length": length, "benchmark": {"variants": VARIANTS, "repeats": repeats}}
+               "height": height, "length": length, "steps": MODELS[model][1],
+               "benchmark": {"variants": MODELS[model][0], "repeats": repeats}}
+        if model == "fastwan":
+            cfg["model"] = "fastwan"
         path = os.path.join(tmp, "config.json")
         with open(path, "w") as f:
             json.dump(cfg, f)
@@ -54,16 +64,20 @@ def run(comfyui, width, height, length, repeats):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
-    parser.add_argument("--sizes", nargs="+", default=["512x256x22", "1024x512x39"],
-                        help="WIDTHxHEIGHTxLENGTH of the empty MiniMax-H3 latent (pixels, frames)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="h3",
+                        help="h3 (FastH3-shaped MiniMax-H3, default) or fastwan (FastWan-shaped Wan2.1)")
+    parser.add_argument("--sizes", nargs="+", default=None,
+                        help="WIDTHxHEIGHTxLENGTH of the empty latent (pixels, frames); default per model: "
+                             + "; ".join(f"{m}: {' '.join(v[2])}" for m, v in MODELS.items()))
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     comfyui = os.path.abspath(os.environ["SOLATTN_COMFYUI"])
-    lines = ["| tokens (video grid) | variant | sampling s (median, 2 steps) | vs dense | peak extra RSS MiB |",
+    steps = MODELS[args.model][1]
+    lines = [f"| tokens (video grid) | variant | sampling s (median, {steps} steps) | vs dense | peak extra RSS MiB |",
              "|---|---|---|---|---|"]
-    for size in args.sizes:
+    for size in args.sizes or MODELS[args.model][2]:
         width, height, length = (int(x) for x in size.split("x"))
-        result = run(comfyui, width, height, length, args.repeats)
+        result = run(comfyui, width, height, length, args.repeats, args.model)
         dense = statistics.median(result["rows"]["dense (no node)"]["seconds"])
         for name, row in result["rows"].items():
             seconds = statistics.median(row["seconds"])
