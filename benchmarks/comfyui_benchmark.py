@@ -26,7 +26,8 @@ SUPPORT = os.path.join(ROOT, "tests", "support")
 
 
 def node(selection, keep=10.0, **extra):
-    nested = {"selection.keep_percent": keep} if selection != "sol-attn" else {"selection.tau": 1.3}
+    nested = {"sol-attn": {"selection.tau": 1.3}, "vsa": {"selection.keep_percent": keep},
+              "auto": {"selection.tau": 1.3, "selection.keep_percent": keep, "selection.vsa_prefix": "exempt"}}[selection]
     return [{"class_type": "SolAttnModelSparseAttention",
              "inputs": {"selection": selection, **nested, "start_percent": 0.0, "end_percent": 1.0,
                         "min_tokens": 0, **extra}}]

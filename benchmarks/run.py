@@ -72,6 +72,11 @@ BENCHMARKS: Dict[str, Tuple[str, List[str], str]] = {
                      "one H3 block, a tiny model step (on a CPU add `-- --small`)",
                      [sys.executable, os.path.join(HERE, "diffusers_h3.py"), "--out",
                       os.path.join("{out}", "diffusers_h3.md")], "diffusers_h3.md"),
+    "comfyui_fastwan": ("the tiny FastWan-shaped Wan in a real ComfyUI (SOLATTN_COMFYUI), 3 steps without the node "
+                        "and with it on auto (vsa with the file's gates)",
+                        [sys.executable, os.path.join(HERE, "comfyui_benchmark.py"),
+                         os.path.join("{out}", "comfyui_fastwan.md"), "--model", "fastwan", "--repeats", "5"],
+                        "comfyui_fastwan.md"),
     "distributed": ("solattn.distributed (sequence parallel over P GPUs) against one GPU",
                     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "{nproc}",
                      os.path.join(HERE, "bench_distributed.py"), "--out",
