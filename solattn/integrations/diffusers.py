@@ -11,11 +11,12 @@ Wan2.2, :mod:`.diffusers_wan`) and FastH3 (MiniMax-H3, :mod:`.diffusers_h3`).
 from __future__ import annotations
 
 from . import diffusers_gates
-from .diffusers_h3 import STATE_ATTR, FastH3, FastH3Processor, enable_fasth3, packed_layout, percent_to_sigma
+from .diffusers_h3 import (STATE_ATTR, FastH3, FastH3Processor, VsaState, enable_fasth3, packed_layout,
+                           percent_to_sigma)
 from .diffusers_wan import FastWan, enable_fastwan
 
 __all__ = ["enable_vsa", "disable", "enable_fasth3", "enable_fastwan", "FastH3", "FastH3Processor", "FastWan",
-           "STATE_ATTR", "packed_layout", "percent_to_sigma"]
+           "STATE_ATTR", "VsaState", "packed_layout", "percent_to_sigma"]
 
 
 def enable_vsa(transformer, gates, **settings):
@@ -41,7 +42,7 @@ def disable(transformer, *, keep_gates: bool = False) -> None:
     unused by the dense model either way)."""
     transformer = getattr(transformer, "_orig_mod", transformer)
     state = getattr(transformer, STATE_ATTR, None)
-    if not isinstance(state, (FastH3, FastWan)):
+    if not isinstance(state, VsaState):
         raise ValueError(f"disable: argument 'transformer' received a {type(transformer).__name__} without "
                          f"VSA enabled; allowed: a transformer enable_vsa (enable_fasth3, enable_fastwan) "
                          f"was applied to")
@@ -52,7 +53,4 @@ def disable(transformer, *, keep_gates: bool = False) -> None:
         for attn in state.added_gates:
             delattr(attn, diffusers_gates.GATE_ATTR)
     delattr(transformer, STATE_ATTR)
-    if isinstance(state, FastH3):
-        state.sparse = None
-    else:
-        state.grid = None
+    state.clear()

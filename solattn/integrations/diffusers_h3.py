@@ -98,34 +98,72 @@ def packed_layout(position_ids: torch.Tensor, video_indices: torch.Tensor, audio
     return grid, tuple(segments)
 
 
-class FastH3:
-    """The settings and per-call state of one transformer running FastH3 (``enable_fasth3``'s
-    result; also ``transformer._solattn_fasth3``). ``sparse`` is ``(grid, prefix segments)`` while
-    the current forward runs sparse, else None; the pre-hook sets it before every forward."""
+class VsaState:
+    """What every model's VSA state holds: the sparsity, the schedule window (in sigmas), the
+    blocks kept dense, the processors replaced and gates added (for ``disable``), the pre-hook,
+    and the reasons already logged. ``LABEL`` names the model in log lines."""
 
-    def __init__(self, sparsity: float, prefix_mode: str, sigma_start: float, sigma_end: float,
-                 dense_blocks: frozenset):
+    LABEL = "VSA"
+
+    def __init__(self, sparsity: float, sigma_start: float, sigma_end: float, dense_blocks: frozenset):
         self.sparsity = sparsity
-        self.prefix_mode = prefix_mode
         self.sigma_start = sigma_start
         self.sigma_end = sigma_end
         self.dense_blocks = dense_blocks
-        self.sparse: Optional[Tuple[Grid, Tuple[int, ...]]] = None
         self.originals: Dict[nn.Module, object] = {}   # attention module -> the processor it had
         self.added_gates = []                          # attention modules given a to_gate_compress
         self.hook = None
         self._logged = set()
-        self._layout_key = None                        # (the index tensors, their versions), layout
 
     def note(self, key, message: str):
         """Log ``message`` once per ``key`` (one line per reason)."""
         if key not in self._logged:
             self._logged.add(key)
-            log.info("FastH3: %s", message)
+            log.info("%s: %s", self.LABEL, message)
 
     @property
     def whole_schedule(self) -> bool:
         return self.sigma_start >= 1.0 and self.sigma_end <= 0.0
+
+    def clear(self) -> None:
+        """Forget the current forward's layout (``disable``)."""
+
+    def install(self, transformer, attns, tensors, processor, caller: str, zero_gate: str = ""):
+        """Give each attention module its gate (``tensors[i]``, when given) and the processor
+        ``processor(self, previous processor, i)``, hook the transformer's forward and record this
+        state on it; without gates (given or already there) say once that only the fine stage runs."""
+        for i, attn in enumerate(attns):
+            if tensors is not None:
+                attn.add_module(diffusers_gates.GATE_ATTR,
+                                diffusers_gates.build_gate(attn, tensors[i], attn.to_q.weight, caller))
+                self.added_gates.append(attn)
+            self.originals[attn] = attn.processor
+            attn.set_processor(processor(self, attn.processor, i))
+        if tensors is None and getattr(attns[0], diffusers_gates.GATE_ATTR, None) is None:
+            log.warning("%s: no gate projections (gates=None): VSA runs its sparse fine stage without the coarse "
+                        "branch%s, which is not what %s was trained with", self.LABEL, zero_gate, self.LABEL)
+        self.hook = transformer.register_forward_pre_hook(self.read_forward, with_kwargs=True)
+        setattr(transformer, STATE_ATTR, self)
+        return self
+
+
+class FastH3(VsaState):
+    """The settings and per-call state of one transformer running FastH3 (``enable_fasth3``'s
+    result; also ``transformer._solattn_fasth3``). ``sparse`` is ``(grid, prefix segments)`` while
+    the current forward runs sparse, else None; the pre-hook sets it before every forward."""
+
+    LABEL = "FastH3"
+
+    def __init__(self, sparsity: float, prefix_mode: str, sigma_start: float, sigma_end: float,
+                 dense_blocks: frozenset):
+        super().__init__(sparsity, sigma_start, sigma_end, dense_blocks)
+        self.prefix_mode = prefix_mode
+        self.sparse: Optional[Tuple[Grid, Tuple[int, ...]]] = None
+        self._layout_key = None                        # (the index tensors, their versions), layout
+
+    def clear(self) -> None:
+        self.sparse = None
+
 
     def _layout(self, inputs) -> object:
         """:func:`packed_layout` of these inputs, cached while the same index tensors come back."""
@@ -238,7 +276,8 @@ def _version(t: torch.Tensor):
 
 
 @torch.compiler.disable
-def _note(state: FastH3, message: str):
+def _note(state: VsaState, message: str):
+    """``state.note`` keyed by the message, outside any compiled graph (processors call it)."""
     state.note(message, message)
 
 
@@ -325,16 +364,4 @@ def enable_fasth3(transformer, gates, *, sparsity: float = 0.9, prefix_mode: str
             if getattr(attn, diffusers_gates.GATE_ATTR, None) is not None:
                 raise RuntimeError(f"enable_fasth3: transformer_blocks.{i}.attn already has a "
                                    f"{diffusers_gates.GATE_ATTR}; pass gates=None to use it")
-    for i, attn in enumerate(attns):
-        if tensors is not None:
-            gate = diffusers_gates.build_gate(attn, tensors[i], attn.to_q.weight)
-            attn.add_module(diffusers_gates.GATE_ATTR, gate)
-            state.added_gates.append(attn)
-        state.originals[attn] = attn.processor
-        attn.set_processor(FastH3Processor(state, attn.processor, i))
-    if tensors is None and getattr(attns[0], diffusers_gates.GATE_ATTR, None) is None:
-        log.warning("FastH3: no gate projections (gates=None): VSA runs its sparse fine stage without the "
-                    "coarse branch, which is not what FastH3 was trained with")
-    state.hook = transformer.register_forward_pre_hook(state.read_forward, with_kwargs=True)
-    setattr(transformer, STATE_ATTR, state)
-    return state
+    return state.install(transformer, attns, tensors, FastH3Processor, "enable_fasth3")

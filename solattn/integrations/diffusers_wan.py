@@ -26,7 +26,6 @@ gates: the model then computes exactly what it computed before.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
@@ -36,9 +35,8 @@ from torch import nn
 from ..validation import SUPPORTED_DTYPES
 from ..video import video_sparse_attn
 from . import diffusers_gates, fastwan
-from .diffusers_h3 import STATE_ATTR, FastH3Processor, _check_settings, percent_to_sigma
+from .diffusers_h3 import STATE_ATTR, FastH3Processor, VsaState, _check_settings, _note, percent_to_sigma
 
-log = logging.getLogger("solattn.diffusers")
 
 NAME = "enable_fastwan"
 #: WanTransformer3DModel.forward's first parameters, in order (positional calls are mapped by them)
@@ -48,32 +46,21 @@ NUM_TRAIN_TIMESTEPS = 1000.0
 Grid = Tuple[int, int, int]
 
 
-class FastWan:
+class FastWan(VsaState):
     """Settings and per-call state of one transformer running FastWan (``enable_fastwan``'s result;
     also ``transformer._solattn_fasth3``). ``grid`` is the token grid while the current forward
     runs sparse, else None; the pre-hook sets it before every forward."""
 
+    LABEL = "FastWan"
+
     def __init__(self, sparsity: float, sigma_start: float, sigma_end: float, dense_blocks: frozenset,
                  patch_size: Sequence[int]):
-        self.sparsity = sparsity
-        self.sigma_start = sigma_start
-        self.sigma_end = sigma_end
-        self.dense_blocks = dense_blocks
+        super().__init__(sparsity, sigma_start, sigma_end, dense_blocks)
         self.patch_size = tuple(int(p) for p in patch_size)
         self.grid: Optional[Grid] = None
-        self.originals: Dict[nn.Module, object] = {}
-        self.added_gates = []
-        self.hook = None
-        self._logged = set()
 
-    def note(self, key, message: str):
-        if key not in self._logged:
-            self._logged.add(key)
-            log.info("FastWan: %s", message)
-
-    @property
-    def whole_schedule(self) -> bool:
-        return self.sigma_start >= 1.0 and self.sigma_end <= 0.0
+    def clear(self) -> None:
+        self.grid = None
 
     @torch.compiler.disable
     def read_forward(self, module, args, kwargs):
@@ -165,11 +152,6 @@ class FastWanProcessor(FastH3Processor):
         return None
 
 
-@torch.compiler.disable
-def _note(state: FastWan, message: str):
-    state.note(message, message)
-
-
 def _wan_blocks(transformer) -> Sequence[nn.Module]:
     blocks = getattr(transformer, "blocks", None)
     attn = getattr(blocks[0], "attn1", None) if blocks else None
@@ -223,18 +205,7 @@ def enable_fastwan(transformer, gates, *, sparsity: float = 0.8, start_percent: 
     state = FastWan(float(sparsity), percent_to_sigma(float(start_percent), float(shift)),
                     percent_to_sigma(float(end_percent), float(shift)), frozen,
                     transformer.config.patch_size)
-    for i, attn in enumerate(attns):
-        if tensors is not None:
-            attn.add_module(fastwan.GATE_ATTR, diffusers_gates.build_gate(attn, tensors[i], attn.to_q.weight, "enable_vsa"))
-            state.added_gates.append(attn)
-        state.originals[attn] = attn.processor
-        attn.set_processor(FastWanProcessor(state, attn.processor, i))
-    if tensors is None and getattr(attns[0], fastwan.GATE_ATTR, None) is None:
-        log.warning("FastWan: no gate projections (gates=None): VSA runs its sparse fine stage without the coarse "
-                    "branch (FastVideo's zero gate), which is not what FastWan was trained with")
-    state.hook = transformer.register_forward_pre_hook(state.read_forward, with_kwargs=True)
-    setattr(transformer, STATE_ATTR, state)
-    return state
+    return state.install(transformer, attns, tensors, FastWanProcessor, "enable_vsa", " (FastVideo's zero gate)")
 
 
 __all__ = ["FastWan", "FastWanProcessor", "enable_fastwan", "fastwan_topk"]
