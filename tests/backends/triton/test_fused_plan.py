@@ -286,9 +286,15 @@ def _assert_vsa_clear(problem, k_vid, P, mode, margin=1e-4):
     assert float(gap.min()) > margin, float(gap.min())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["exempt", "compete"])
-@pytest.mark.parametrize("segments,gate", [((), False), ((100, 30), False), ((70,), True)])
+def _vsa_plan_cases():
+    """Every (segments, gate) x mode; the default run keeps one prefix segment with a gate, exempt."""
+    for i, (segments, gate) in enumerate([((), False), ((100, 30), False), ((70,), True)]):
+        for mode in ("exempt", "compete"):
+            slow = () if (segments, mode) == ((70,), "exempt") else (pytest.mark.slow,)
+            yield pytest.param(mode, segments, gate, id=f"segments{i}-{gate}-{mode}", marks=slow)
+
+
+@pytest.mark.parametrize("mode, segments, gate", list(_vsa_plan_cases()))
 def test_vsa_plan_matches_torch_plan(mode, segments, gate):
     from solattn.routing import build_vsa_plan
     problem, layout = _vsa_problem((5, 6, 7), segments, seed=21, gate=gate)
