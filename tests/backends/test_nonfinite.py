@@ -10,13 +10,12 @@ fix is flex's own) and ``triton`` in Triton's interpreter (slow, out of the defa
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import solattn
 from solattn import testing
+from tests.support.cpu_backends import cpu_context
 
 BACKENDS = [pytest.param("sdpa", id="sdpa"), pytest.param("reference", id="reference"),
             pytest.param("flex", id="flex", marks=pytest.mark.slow),
@@ -28,22 +27,10 @@ BACKENDS_FLEX_DEFAULT = BACKENDS[:2] + [pytest.param("flex", id="flex")] + BACKE
 B, T, H, D = 1, 200, 2, 16
 
 
-def _backend(name: str):
-    """``(context, dtype)`` to run backend ``name`` on the CPU, or skip."""
-    if name == "triton":
-        if not testing.triton_interpretable():
-            pytest.skip("Triton's interpreter cannot run the kernel here")
-        return testing.interpreter(), torch.float16
-    reasons = solattn.dispatch.get_backend(name).availability_reasons("cpu")
-    if reasons:
-        pytest.skip(f"{name}: {reasons}")
-    return contextlib.nullcontext(), torch.float32
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_huge_finite_key_bias_acts_as_1e30(backend):
     """fp64 entries of ±1e300 give the output of ±1e30 entries (finite), on every backend."""
-    scope, dtype = _backend(backend)
+    scope, dtype = cpu_context(backend)
     q, k, v = testing.make_qkv(B, T, H, D, dtype=dtype, seed=11)
     g = torch.Generator().manual_seed(12)
     base = torch.randn(T, generator=g, dtype=torch.float64)
@@ -95,7 +82,7 @@ def test_a_nan_query_token_gives_nan_exactly_where_spec_says(backend, case):
     block has a pooled term (its block mean is NaN, so are its pooled logits and coarse weights);
     every other row finite and equal to the reference's. flex returned 0.0 for the row without
     the tail and made every row of the (batch, head) NaN with it."""
-    scope, dtype = _backend(backend)
+    scope, dtype = cpu_context(backend)
     kw, where = NAN_CASES[case]
     q, k, v = testing.make_qkv(B, T, H, D, dtype=dtype, seed=13)
     q[NAN_AT[0], NAN_AT[1], NAN_AT[2], 5] = float("nan")
@@ -117,7 +104,7 @@ def test_a_nan_query_token_gives_nan_exactly_where_spec_says(backend, case):
 def test_a_nan_in_a_dead_query_row_changes_nothing(backend):
     """Dead rows never enter a mean (SPEC.md): a NaN there leaves every output finite and the
     live rows equal to those without it."""
-    scope, dtype = _backend(backend)
+    scope, dtype = cpu_context(backend)
     q, k, v = testing.make_qkv(B, T, H, D, dtype=dtype, seed=15)
     bl = torch.tensor([64, 5, 64, 8], dtype=torch.int32)
     poisoned = q.clone()
@@ -139,7 +126,7 @@ VSA_BACKENDS = [pytest.param("sdpa", id="sdpa"), pytest.param("flex", id="flex",
 def test_video_sparse_attn_nan_query_token(backend, gate):
     """The same rule in ``video_sparse_attn``: the row alone without a gate; with one, every row of
     its tile (token 70 is in the prefix's second tile, tokens 64..119), through the coarse term."""
-    scope, dtype = _backend(backend)
+    scope, dtype = cpu_context(backend)
     q, k, v = testing.make_qkv(B, T, H, D, dtype=dtype, seed=16)
     q[NAN_AT[0], NAN_AT[1], NAN_AT[2], 5] = float("nan")
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(17)).to(dtype) if gate else None

@@ -15,23 +15,12 @@ import torch
 
 import solattn
 from solattn import testing
+from tests.support.cpu_backends import cpu_context
 
 #: every backend that trains on the CPU, and whether its case compiles or interprets (slow)
 TRAINING = [pytest.param("sdpa", id="sdpa"), pytest.param("reference", id="reference"),
             pytest.param("flex", id="flex", marks=pytest.mark.slow),
             pytest.param("triton", id="triton-interpreted", marks=pytest.mark.slow)]
-
-
-def _usable(backend: str, dtype: torch.dtype):
-    if backend == "triton":
-        if not testing.triton_interpretable():
-            pytest.skip("Triton's interpreter cannot run the kernel here")
-        return testing.interpreter(), torch.float16
-    reasons = solattn.dispatch.get_backend(backend).availability_reasons("cpu")
-    if reasons:
-        pytest.skip(f"{backend}: {reasons}")
-    import contextlib
-    return contextlib.nullcontext(), dtype
 
 
 class _DropsGradient(torch.autograd.Function):
@@ -73,7 +62,7 @@ def test_a_downstream_function_that_drops_our_gradient_gives_none(front, backend
     scalar outputs' before)."""
     if front == "video_sparse_attn" and backend == "reference":
         pytest.skip("the reference backend does not serve VSA")
-    scope, dtype = _usable(backend, torch.float32)
+    scope, dtype = cpu_context(backend)
     fn = (_sol if front == "sol_attn" else _vsa)(backend)
     with scope:
         q, k, v, gate = _inputs(dtype, gate=True)
@@ -92,7 +81,7 @@ def test_gradcheck_undefined_gradient_probe(front, backend):
     means nothing) the undefined-gradient probe alone runs."""
     if front == "video_sparse_attn" and backend == "reference":
         pytest.skip("the reference backend does not serve VSA")
-    scope, dtype = _usable(backend, torch.float32)
+    scope, dtype = cpu_context(backend)
     fn = (_sol if front == "sol_attn" else _vsa)(backend)
     with scope:
         inputs = _inputs(dtype, gate=True)

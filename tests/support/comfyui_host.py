@@ -164,23 +164,12 @@ def write_fastwan_checkpoint(base, cfg):
 
 
 def build_wan_prompt(cfg, ckpt_name, latent_path):
-    """UNETLoader -> cfg['patches'] -> KSampler on an empty Wan latent (16 channels) -> save."""
-    prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt_name, "weight_dtype": "default"}}}
-    model = ["1", 0]
-    for i, node in enumerate(cfg.get("patches", [])):
-        nid = str(10 + i)
-        prompt[nid] = {"class_type": node["class_type"], "inputs": {"model": model, **node["inputs"]}}
-        model = [nid, 0]
-    prompt["2"] = {"class_type": "SolAttnTestZeroConditioning", "inputs": {"tokens": 8, "dim": 4096}}
-    prompt["3"] = {"class_type": "EmptyHunyuanLatentVideo",
-                   "inputs": {"width": cfg.get("width", 160), "height": cfg.get("height", 96),
-                              "length": cfg.get("length", 17), "batch_size": 1}}
-    prompt["4"] = {"class_type": "KSampler",
-                   "inputs": {"model": model, "seed": 1, "steps": cfg.get("steps", 2), "cfg": 1.0,
-                              "sampler_name": "euler", "scheduler": "simple", "positive": ["2", 0],
-                              "negative": ["2", 0], "latent_image": ["3", 0], "denoise": 1.0}}
-    prompt["5"] = {"class_type": "SolAttnTestSaveLatent", "inputs": {"samples": ["4", 0], "path": latent_path}}
-    return prompt
+    """:func:`build_prompt` on an empty Wan latent (16 channels) with a small zero conditioning."""
+    return build_prompt(cfg, ckpt_name, latent_path,
+                        {"class_type": "SolAttnTestZeroConditioning", "inputs": {"tokens": 8, "dim": 4096}},
+                        {"class_type": "EmptyHunyuanLatentVideo",
+                         "inputs": {"width": cfg.get("width", 160), "height": cfg.get("height", 96),
+                                    "length": cfg.get("length", 17), "batch_size": 1}})
 
 
 class WanAttentionCapture:
@@ -234,19 +223,23 @@ def fastwan_reference(call, keep_percent):
             "rel_diff_vs_dense": rel(out, dense_reference(q, k, v))}
 
 
-def build_prompt(cfg, ckpt_name, latent_path):
-    """UNETLoader -> cfg['patches'] (in order) -> KSampler on an empty H3 AV latent -> save."""
+def build_prompt(cfg, ckpt_name, latent_path, conditioning=None, latent=None):
+    """UNETLoader -> cfg['patches'] (in order) -> KSampler -> save; ``conditioning`` and ``latent``
+    are the two model-specific nodes (default: MiniMax-H3's zero text conditioning and empty AV latent)."""
+    if conditioning is None:
+        conditioning = {"class_type": "SolAttnTestZeroConditioning",
+                        "inputs": {"tokens": cfg.get("text_tokens", 77), "dim": H3_SHAPE["text_dim"]}}
+    if latent is None:
+        latent = {"class_type": "EmptyMiniMaxH3LatentAV",
+                  "inputs": {"width": cfg.get("width", 512), "height": cfg.get("height", 256),
+                             "length": cfg.get("length", 22)}}
     prompt = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt_name, "weight_dtype": "default"}}}
     model = ["1", 0]
     for i, node in enumerate(cfg.get("patches", [])):
         nid = str(10 + i)
         prompt[nid] = {"class_type": node["class_type"], "inputs": {"model": model, **node["inputs"]}}
         model = [nid, 0]
-    prompt["2"] = {"class_type": "SolAttnTestZeroConditioning",
-                   "inputs": {"tokens": cfg.get("text_tokens", 77), "dim": H3_SHAPE["text_dim"]}}
-    prompt["3"] = {"class_type": "EmptyMiniMaxH3LatentAV",
-                   "inputs": {"width": cfg.get("width", 512), "height": cfg.get("height", 256),
-                              "length": cfg.get("length", 22)}}
+    prompt["2"], prompt["3"] = conditioning, latent
     prompt["4"] = {"class_type": "KSampler",
                    "inputs": {"model": model, "seed": 1, "steps": cfg.get("steps", 2), "cfg": 1.0,
                               "sampler_name": "euler", "scheduler": "simple", "positive": ["2", 0],
