@@ -20,9 +20,9 @@ from .devices import best_device
 from .dispatch import BackendError, list_backends, use_backend
 from .dispatch import register as register_backend
 from .graphs import cuda_graphs
-from .ops import plan, sol_attn
+from .op import plan, sol_attn, video_plan, video_sparse_attn
+from .tiling import tile, untile
 from .validation import BLOCK
-from .video import tile, untile, video_plan, video_sparse_attn
 from .warmup import warm_up
 
 _dispatch.register(_ReferenceBackend())

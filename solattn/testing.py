@@ -204,7 +204,7 @@ class BackendCase:
 
     def run(self, *args, **kwargs) -> torch.Tensor:
         """``solattn.sol_attn(*args, backend=self.backend, **kwargs)``, under the interpreter if needed."""
-        from .ops import sol_attn
+        from .op import sol_attn
         with interpreter(self.interpreted):
             return sol_attn(*args, backend=self.backend, **kwargs)
 

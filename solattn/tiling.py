@@ -152,11 +152,15 @@ def untile(y: torch.Tensor, grid, cube=DEFAULT_CUBE) -> torch.Tensor:
     return y.index_select(1, layout(grid, cube, (), y.device).slots)
 
 
-def tiled_gate(gate: Optional[torch.Tensor], tq: torch.Tensor, layout: Layout) -> Optional[torch.Tensor]:
-    """The coarse gate in the tiled layout (None, a 0-dim constant, or a tensor of q's shape)."""
-    if gate is None:
+def tiled_view(x: Optional[torch.Tensor], rows: int) -> Optional[torch.Tensor]:
+    """``x``, one value for every token (stride 0 on dim 1, e.g. a constant gate), as a view with
+    ``rows`` rows: the tiled layout of such a tensor, without a copy. None stays None."""
+    if x is None:
         return None
-    return gate.expand(tq.shape) if gate.dim() == 0 else to_tiled(gate, layout)
+    if x.stride(1) != 0:
+        raise ValueError(f"tiled_view: a tensor with stride 0 on dim 1 is needed; got strides {x.stride()}")
+    B, _, *rest = x.shape
+    return x[:, :1].expand(B, rows, *rest)
 
 
 def tiled_rows(grid: Sequence[int], segments: Sequence[int], cube: Grid = DEFAULT_CUBE) -> int:

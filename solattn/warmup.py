@@ -29,8 +29,7 @@ def warm_up(fn: Callable, *args, backend: str = "flex", **kwargs) -> float:
 
     Raises :class:`solattn.BackendError` when the backend cannot run the call here (its compile
     failed: the compiler's error is given) and ``TypeError`` / ``ValueError`` for bad arguments."""
-    from .ops import sol_attn
-    from .video import video_sparse_attn
+    from .op import sol_attn, video_sparse_attn
     if fn not in (sol_attn, video_sparse_attn):
         raise TypeError(f"warm_up: argument 'fn' received {fn!r}; allowed: solattn.sol_attn or "
                         f"solattn.video_sparse_attn")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..graphs import GraphCache, cuda_graphs
-from ..ops import plan_for, sol_attn
+from ..op.attn import plan_for, sol_attn
 from ..routing import build_plan
 from ..routing.fused import fused_plan_usable
 from ..testing import block_structured_qkv, rel_l2

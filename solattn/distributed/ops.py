@@ -7,8 +7,8 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from .. import dispatch
-from .. import video as _video
-from ..ops import sol_attn as _sol_attn
+from ..op import video as _video
+from ..op import sol_attn as _sol_attn
 from ..validation import validate
 from .agree import agree, check_local, check_shard_lens
 from .group import _check_timeout, _fail, _group_info

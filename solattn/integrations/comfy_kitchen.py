@@ -45,7 +45,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
-from .. import dispatch, ops
+from .. import dispatch, op
 from ..backends.sdpa import SdpaBackend
 from ..devices import DEVICES, present_devices
 from ..validation import validate
@@ -88,8 +88,8 @@ def sol_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: float = 1.0
                  coarse_gate, token_aug)
     except TypeError as exc:
         raise ValueError(str(exc)) from exc
-    return ops.sol_attn(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
-                        block_len, coarse_gate, token_aug, backend=SOLATTN_BACKEND)
+    return op.sol_attn(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
+                       block_len, coarse_gate, token_aug, backend=SOLATTN_BACKEND)
 
 
 # --------------------------------------------------------------------------- constraints

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..validation import SUPPORTED_DTYPES
-from ..video import video_sparse_attn
+from ..op import video_sparse_attn
 from . import diffusers_gates
 
 log = logging.getLogger("solattn.diffusers")

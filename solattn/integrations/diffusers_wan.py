@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..validation import SUPPORTED_DTYPES
-from ..video import video_sparse_attn
+from ..op import video_sparse_attn
 from . import diffusers_gates, fastwan
 from .diffusers_h3 import STATE_ATTR, FastH3Processor, VsaState, _check_settings, _note, percent_to_sigma
 

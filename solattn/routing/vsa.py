@@ -1,6 +1,6 @@
 """VSA (video sparse attention) selection, as FastVideo's VSA-H3 backend defines it.
 
-The VSA entry point (:mod:`solattn.video`) lays a packed sequence out as prefix tiles
+The VSA entry point (:mod:`solattn.op.video`) lays a packed sequence out as prefix tiles
 (text, audio, ... each segment cut into its own 64-row tiles) followed by the video cubes.
 With ``S = scale * qm km^T`` over all ``n`` tiles (pooled means over live rows):
 

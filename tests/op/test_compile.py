@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import solattn
-from solattn import pipeline
+from solattn.op.call import Call
 from solattn.testing import make_qkv, rel_l2
 
 from tests.support.marks import gpu_marked
@@ -139,15 +139,13 @@ def test_backward_ops_registered_with_fake_impls():
     q, k, v = (x.to("meta") for x in make_qkv(1, 100, 2, 8, dtype=torch.bfloat16))
     flag = torch.empty((), dtype=torch.int64, device="meta")
     lse = torch.empty((0,), device="meta")
-    grads = torch.ops.solattn.sol_attn_backward(q, k, v, None, None, q, q, lse, lse, flag, q, 1.0, None,
-                                                None, None, 0.5, True, 0, None, 0, [], "exempt", "", False, True,
-                                                *[None] * pipeline.PLAN_OPERANDS)
+    call = Call(q, k, v, gate=q, topk_ratio=0.5, tail=True)
+    grads = torch.ops.solattn.sol_attn_backward(*call.operands(), q, lse, lse, flag, q, False, True)
     assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 4 + [(0,)]
     assert all(g.dtype == torch.bfloat16 for g in grads[:4])
     # video_sparse_attn's backward is the same op on VSA's route (a grid, k_vid, prefix segments)
-    grads = torch.ops.solattn.sol_attn_backward(q, k, v, None, None, None, q, lse, lse, flag, q, 1.0, None,
-                                                None, None, 0.0, False, 0, [1, 8, 8], 1, [36], "exempt", "",
-                                                False, False, *[None] * pipeline.PLAN_OPERANDS)
+    call = Call(q, k, v, grid=[1, 8, 8], k_vid=1, segments=[36])
+    grads = torch.ops.solattn.sol_attn_backward(*call.operands(), q, lse, lse, flag, q, False, False)
     assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 3 + [(0,), (0,)]
 
 

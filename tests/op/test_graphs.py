@@ -548,7 +548,7 @@ def test_video_sparse_attn_goes_through_the_active_cache_keyed_by_every_argument
     first call's work, not this one's), and a call that needs autograd stays out of the cache.
     (On a CPU the cache is a recording fake, as above: the device check of the wiring is bypassed.)"""
     import solattn
-    from solattn import video
+    from solattn.op import custom
 
     cache, sightings = FakeCache(capture_after=2), []
 
@@ -558,7 +558,7 @@ def test_video_sparse_attn_goes_through_the_active_cache_keyed_by_every_argument
 
     q, k, v, gate = _vsa_inputs()
     base = dict(topk=2, gate=gate, prefix_len=70, backend="sdpa")
-    monkeypatch.setattr(video, "eager_call", through_cache)
+    monkeypatch.setattr(custom, "eager_call", through_cache)
     with torch.no_grad():
         outs = []
         for _ in range(4):
@@ -568,7 +568,7 @@ def test_video_sparse_attn_goes_through_the_active_cache_keyed_by_every_argument
         other = solattn.video_sparse_attn(q, k, v, (4, 8, 8), **dict(base, **variant))
     assert cache.log == ["warmup", "capture", "replay", "replay", "replay"]
     assert (cache.stats.eager_calls, cache.stats.captures, cache.stats.replays) == (2, 1, 2)
-    assert sightings == [8] * 5                          # q, k, v, gate and the layout's four tables
+    assert sightings == [10] * 5     # q, k, v, key_bias and block_len (None), gate, the layout's four tables
     qg = q.clone().requires_grad_(True)
     solattn.video_sparse_attn(qg, k, v, (4, 8, 8), **base).sum().backward()
     assert len(sightings) == 5 and qg.grad is not None

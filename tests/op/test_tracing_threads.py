@@ -1,7 +1,7 @@
 """A compile in one thread changes nothing for the calls of another.
 
 ``torch.compiler.is_compiling()`` is one flag for the whole process, True while any thread
-compiles. solattn tells its own tracing apart per thread (:func:`solattn.modes.tracing`): a
+compiles. solattn tells its own tracing apart per thread (:func:`solattn.compiling.tracing`): a
 call in another thread keeps its ``use_backend`` choice, its memory budget and its eager path.
 The compile here is a real ``torch.compile`` in a second thread, held open by a backend that
 waits for the test (a compile is a compile whatever its backend: the flag is set around it).
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import solattn
-from solattn import dispatch, modes
+from solattn import compiling, dispatch
 from solattn.budget import current_budget
+from solattn.op import fast
 from solattn.testing import make_qkv
 from torch.torch_version import TorchVersion
 
@@ -63,13 +64,13 @@ def compile_elsewhere():
 def test_settings_hold_in_a_thread_that_does_not_compile(compile_elsewhere):
     with dispatch.use_backend("reference"), solattn.memory_budget(3 << 20):
         assert dispatch.forced_backend() == "reference"
-        settings = modes.forward_settings()
+        settings = fast.forward_settings()
         assert settings is not None
         assert settings.run(current_budget) == 3 << 20
         q = torch.ones(1, 4, 1, 8)
-        assert modes.plain_eager(q, q, q)
-        assert not modes.traced(q)
-    assert not modes.tracing()
+        assert fast.plain_eager(q, q, q)
+        assert not fast.traced(q)
+    assert not compiling.tracing()
 
 
 def test_a_training_call_runs_and_recomputes_on_the_chosen_backend(compile_elsewhere, monkeypatch):
@@ -97,9 +98,9 @@ def test_tracing_is_seen_in_the_compiling_thread():
     seen = []
 
     def fn(x):
-        seen.append(modes.tracing())
+        seen.append(compiling.tracing())
         return x + 1
 
     torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(2))
     assert seen == [True]
-    assert not modes.tracing()
+    assert not compiling.tracing()

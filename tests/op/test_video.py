@@ -1,9 +1,9 @@
-"""VSA entry point (solattn.video) against an independent, plainly written float64 oracle.
+"""VSA entry point (solattn.op.video) against an independent, plainly written float64 oracle.
 
 The oracle below (``oracle_*``) implements FastVideo's VSA-H3 semantics as SPEC.md's "VSA entry
 point" states them, in float64, with its own tiling loops (prefix segments, then cubes over t,
 h, w), its own ranking by sorting Python lists, and a dense softmax per query tile over the
-selected tiles' live tokens. It imports nothing from solattn.routing or solattn.video.
+selected tiles' live tokens. It imports nothing from solattn.routing or solattn.op.
 
 Every registered plan-consuming backend that runs on the CPU is tested (solattn.testing.backend_cases:
 ``sdpa``, and ``triton`` through Triton's interpreter, TRITON_INTERPRET=1).

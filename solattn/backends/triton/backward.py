@@ -33,7 +33,7 @@ layer), which back-propagates them through the plan's differentiable block means
 with torch autograd. Dead query rows (``block_len``) get zero gradients and send none to keys;
 dead keys get zero gradients. The kernels read the problem's rows as they are: a problem with a
 row table (``Problem.rows``) is refused, VSA's backward takes tiled copies
-(:class:`solattn.pipeline.VideoRoute`: a row index loaded in both kernels' inner loops cost about
+(:class:`solattn.op.route.VideoRoute`: a row index loaded in both kernels' inner loops cost about
 a fifth of their time on an H200). Their inner loops load blocks (k and v in the dq kernel, q
 and dO in the dkdv kernel) through ``(B, T, H, D)`` TMA descriptors where the forward would
 (``BackwardConfig.tma``), else through pointers.

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...ops import sol_attn
+from ...op import sol_attn
 from ...validation import validate
 from .state import SparseAttention
 

@@ -9,7 +9,7 @@ import math
 from typing import Callable, Optional
 
 from ...validation import validate
-from ...video import video_sparse_attn
+from ...op import video_sparse_attn
 from .attention import OVERRIDE_KEY, comfy_layout, dense_attention
 from .state import SparseAttention, video_segment
 

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ...validation import validate
-from ...video import video_sparse_attn
+from ...op import video_sparse_attn
 from .. import fastwan
 from .attention import OVERRIDE_KEY, comfy_layout, dense_attention
 from .settings import DISPLAY_NAME, fail

@@ -261,13 +261,13 @@ def test_launch_settings_of_large_problems(mode):
 
 def _vsa_problem(grid, segments, seed, gate=False, D=64, H=2):
     """A VSA call's tiled problem, as video_sparse_attn builds it (prefix tiles, then cubes)."""
-    from solattn.tiling import DEFAULT_CUBE, layout as tiled_layout, tiled_gate, to_tiled
+    from solattn.tiling import DEFAULT_CUBE, layout as tiled_layout, to_tiled
     T = sum(segments) + grid[0] * grid[1] * grid[2]
     q, k, v = make_qkv(1, T, H, D, dtype=torch.bfloat16, seed=seed)
     layout = tiled_layout(tuple(grid), DEFAULT_CUBE, tuple(segments), q.device)
     tq, tk, tv = (to_tiled(x, layout) for x in (q, k, v))
     g = torch.rand(q.shape, generator=torch.Generator().manual_seed(seed)).to(q.dtype) if gate else None
-    tg = tiled_gate(g, tq, layout)
+    tg = None if g is None else to_tiled(g, layout)
     return validate(tq, tk, tv, tail=False, block_len=layout.block_len, coarse_gate=tg), layout
 
 

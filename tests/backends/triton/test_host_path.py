@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from solattn import config, eager, kernels, pipeline
+from solattn import config, kernels
+from solattn.op import custom, route as oproute
+from solattn.op.call import Call
 from solattn.backends.triton import KernelConfig, TritonTuning
 from solattn.backends.triton.operands import _as
 from solattn.routing import fused
@@ -116,9 +118,8 @@ def test_kernel_operand_conversion_copies_only_what_it_must():
     assert _as(t, torch.int64).dtype == torch.int64
 
 
-def _video_route(grid, segments, scale=None):
-    call = pipeline.Call(1.0, scale, None, None, 0.0, False, 0, list(grid), 2, list(segments), "exempt")
-    return pipeline.VideoRoute(call, torch.device("cpu"))
+def _video_route(q, grid, segments, scale=None):
+    return oproute.VideoRoute(Call(q, q, q, scale=scale, grid=list(grid), k_vid=2, segments=list(segments)))
 
 
 @pytest.mark.parametrize("segments, scale, gate",
@@ -127,20 +128,21 @@ def test_video_problems_equal_the_validated_ones(segments, scale, gate):
     """The route builds its problems without validate(): field for field what validate() and the
     layout give, on the row table and on tiled copies."""
     grid = (3, 5, 6)
-    route = _video_route(grid, segments, scale)
     T = sum(segments) + 90
     q, k, v = (torch.randn(2, T, 2, 16).to(torch.bfloat16) for _ in range(3))
-    g = {"tensor": torch.rand(2, T, 2, 16).to(torch.bfloat16), "constant": torch.tensor(0.5), None: None}[gate]
+    g = {"tensor": torch.rand(2, T, 2, 16).to(torch.bfloat16), "constant": torch.tensor(0.5).expand(q.shape),
+         None: None}[gate]
+    route = _video_route(q, grid, segments, scale)
     P = route.layout.num_prefix_blocks
     common = dict(block_len=route.layout.block_len, sink_q=(0, P) if P else None)
 
-    rows = route.row_problem(q, k, v, g)
+    rows = route.row_problem(route.call._replace(q=q, k=k, v=v, gate=g))
     want = dataclasses.replace(validate(q, k, v, scale=scale, tail=False,
-                                        coarse_gate=None if g is None else g.expand(q.shape)),
+                                        coarse_gate=g),
                                rows=route.layout.gather, **common)
     tq, tk, tv = (route.tiled(x) for x in (q, k, v))
-    tiled = route.problem(tq, tk, tv, route.gate(g, tq), None, None)
-    want_tiled = dataclasses.replace(validate(tq, tk, tv, scale=scale, tail=False, coarse_gate=route.gate(g, tq)),
+    tiled = route.problem(route.call._replace(q=tq, k=tk, v=tv, gate=route.gate(g)))
+    want_tiled = dataclasses.replace(validate(tq, tk, tv, scale=scale, tail=False, coarse_gate=route.gate(g)),
                                      dead_rows_zero=True, **common)
     for got, ref in ((rows, want), (tiled, want_tiled)):
         for f in dataclasses.fields(ref):
@@ -154,7 +156,7 @@ def test_video_problems_equal_the_validated_ones(segments, scale, gate):
 
 @pytest.mark.skipif(not triton_interpretable(), reason="needs Triton >= 3.9 for its CPU interpreter")
 def test_plain_eager_call_allocates_no_backward_outputs(monkeypatch):
-    """A plain eager call runs :func:`solattn.eager.forward_output`: its output is the op's (bit for
+    """A plain eager call runs :func:`solattn.op.route.forward_output`: its output is the op's (bit for
     bit), and neither the op's empty ``(0,)`` backward buffers nor its CPU flag are made; the fused
     plan's shared zero centroid is still zeros after the calls."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -162,13 +164,12 @@ def test_plain_eager_call_allocates_no_backward_outputs(monkeypatch):
     T = 70 + 128
     q, k, v, g = (torch.randn(1, T, 2, 16, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
                   for i in range(4))
-    args = (q, k, v, 1.0, None, None, None, None, 0.0, False, None, g, 0, "triton", False, list(grid), 2, segments,
-            "exempt", *pipeline.plan_operands(None))
-    eager.forward_output(*args)                 # the layout's tables and the shared centroid: made once
+    call = Call(q, k, v, gate=g, grid=list(grid), k_vid=2, segments=segments, backend="triton")
+    oproute.forward_output(call)                 # the layout's tables and the shared centroid: made once
     with Dispatched() as fast:
-        out = eager.forward_output(*args)
+        out = oproute.forward_output(call)
     with Dispatched() as op:
-        full = pipeline.forward(*args)
+        full = oproute.forward(call)
     assert torch.equal(out, full[0]) and full[1].shape == (0,) and full[3].shape == (2,)
     extra = collections.Counter(op.allocations())
     extra.subtract(fast.allocations())           # the interpreter's own allocations are the same in both
@@ -235,15 +236,15 @@ def test_dense_mask_and_query_lists_equal_a_loop():
 @pytest.mark.skipif(not triton_interpretable(), reason="needs Triton >= 3.9 for its CPU interpreter")
 def test_plain_training_call_skips_the_custom_op_with_its_gradients(monkeypatch):
     """A plain eager call that records autograd runs the op's autograd without the op
-    (:func:`solattn.eager.eager_autograd`); its output and gradients are the op's, bit for bit (the
+    (:class:`solattn.op.custom._EagerAutograd`); its output and gradients are the op's, bit for bit (the
     op runs under a dispatch mode, here a FLOP counter)."""
     import solattn
     from torch.utils.flop_counter import FlopCounterMode
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     through_op = []
-    real = pipeline.sol_attn_op
-    monkeypatch.setattr(pipeline, "sol_attn_op", lambda *a: through_op.append(1) or real(*a))
+    real = custom.sol_attn_op
+    monkeypatch.setattr(custom, "sol_attn_op", lambda *a: through_op.append(1) or real(*a))
     grid, P = (2, 8, 8), 70
     tensors = [torch.randn(1, P + 128, 2, 16, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
                for i in range(5)]

@@ -60,18 +60,18 @@ def fused_calls(monkeypatch):
 @pytest.fixture
 def plan_refs(monkeypatch):
     """Weak references to every plan ``sol_attn`` builds (forward and backward go through
-    ``solattn.pipeline.build_plan``), in order: a test sees how many were built and which are alive."""
+    ``solattn.op.route.build_plan``), in order: a test sees how many were built and which are alive."""
     import weakref
-    import solattn.pipeline as pipeline
+    import solattn.op.route as route
     refs = []
-    real = pipeline.build_plan
+    real = route.build_plan
 
     def recording(*args, **kwargs):
         plan = real(*args, **kwargs)
         refs.append(weakref.ref(plan))
         return plan
 
-    monkeypatch.setattr(pipeline, "build_plan", recording)
+    monkeypatch.setattr(route, "build_plan", recording)
     return refs
 
 
@@ -304,7 +304,7 @@ def test_backward_takes_the_forwards_plan(device, monkeypatch, fused_calls, plan
     node) instead of rebuilding it, also in a second backward of a retained graph, and its
     gradients equal those of a rebuilt plan; the plan is freed with the graph."""
     import gc
-    import solattn.pipeline as pipeline
+    from solattn.op import saved
     q, k, v = make_qkv(1, 192, 2, 32, dtype=torch.float16, device=device, seed=5)
     w = _rand(q.shape, 6).to(device)
     built = plan_refs
@@ -330,7 +330,7 @@ def test_backward_takes_the_forwards_plan(device, monkeypatch, fused_calls, plan
     assert built[0]() is None                                # freed with the graph
 
     built.clear()
-    monkeypatch.setattr(pipeline.PLANS, "take", lambda fused: None)   # nothing handed over: rebuild
+    monkeypatch.setattr(saved.PLANS, "take", lambda fused: None)   # nothing handed over: rebuild
     leaves, out = forward()
     (out.float() * w).sum().backward()
     assert len(built) == 2
@@ -378,17 +378,17 @@ def test_forward_without_backward_keeps_no_plan(monkeypatch, plan_refs):
 def test_plain_eager_calls_skip_the_custom_op(monkeypatch):
     """A call that needs no autograd, tracing or dispatch mode runs the op's computation directly
     (no custom-op dispatch), with the same result; under a dispatch mode it goes through the op."""
-    import solattn.pipeline as pipeline
+    import solattn.op.custom as custom
     from torch.utils.flop_counter import FlopCounterMode
     q, k, v = make_qkv(1, 150, 2, 32, seed=7)
     through_op = []
-    real = pipeline.sol_attn_op
+    real = custom.sol_attn_op
 
     def spy(*args):
         through_op.append(1)
         return real(*args)
 
-    monkeypatch.setattr(pipeline, "sol_attn_op", spy)
+    monkeypatch.setattr(custom, "sol_attn_op", spy)
     with torch.no_grad():
         direct = solattn.sol_attn(q, k, v, topk_ratio=0.4, backend="sdpa")
     assert through_op == []

@@ -19,7 +19,8 @@ if not triton_interpretable():
 
 import solattn  # noqa: E402
 import solattn.kernels.runtime as runtime  # noqa: E402
-from solattn import pipeline  # noqa: E402
+from solattn.op import route as oproute, saved  # noqa: E402
+from solattn.op.call import Call  # noqa: E402
 from solattn.testing import dense_gradient_error, rel_l2, tolerance  # noqa: E402
 from tests.op.test_video import make_inputs, oracle_vsa  # noqa: E402
 
@@ -136,8 +137,8 @@ def test_backward_reuses_the_plan_and_copies_only_tiles(gate_kind, monkeypatch, 
     gate = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).half().requires_grad_(True)
     gate = {"tensor": gate, "constant": 0.5, "none": None}[gate_kind]
     built = []
-    real_build = pipeline.build_vsa_plan
-    monkeypatch.setattr(pipeline, "build_vsa_plan", lambda *a, **kw: built.append(1) or real_build(*a, **kw))
+    real_build = oproute.build_vsa_plan
+    monkeypatch.setattr(oproute, "build_vsa_plan", lambda *a, **kw: built.append(1) or real_build(*a, **kw))
 
     out = solattn.video_sparse_attn(q, k, v, grid, topk=2, gate=gate, prefix_len=segments, backend="triton")
     assert len(built) == 1
@@ -178,7 +179,7 @@ def test_rebuilt_plan_gives_the_kept_plans_gradients(monkeypatch):
         return torch.autograd.grad((out.float() * w).sum(), leaves)
 
     kept = grads()
-    monkeypatch.setattr(pipeline.PLANS, "take", lambda fused: None)
+    monkeypatch.setattr(saved.PLANS, "take", lambda fused: None)
     rebuilt = grads()
     for name, a, b in zip(("q", "k", "v", "gate"), kept, rebuilt):
         assert torch.equal(a, b), name
@@ -190,8 +191,7 @@ def test_triton_backward_refuses_a_row_table_problem():
     from solattn.backends.triton.backward import fused_backward
     grid, segments = (2, 4, 4), (10,)
     q, k, v = make_inputs(grid, segments=segments, dtype=torch.float32, seed=1)
-    call = pipeline.Call(1.0, None, None, None, 0.0, False, 0, list(grid), 2, list(segments), "exempt")
-    route = pipeline.VideoRoute(call, q.device)
-    problem = route.row_problem(q, k, v, None)
+    route = oproute.VideoRoute(Call(q, k, v, grid=list(grid), k_vid=2, segments=list(segments)))
+    problem = route.row_problem(route.call._replace(q=q, k=k, v=v, gate=None))
     with pytest.raises(ValueError, match=r"row table \(Problem.rows\); allowed: a problem whose q, k, v hold"):
         fused_backward(problem, None, q, q, q, q)

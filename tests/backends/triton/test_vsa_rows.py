@@ -21,7 +21,9 @@ if not INTERPRETABLE and not torch.cuda.is_available():
     pytest.skip("needs Triton >= 3.9 for its CPU interpreter, or a CUDA GPU", allow_module_level=True)
 
 import solattn  # noqa: E402
-from solattn import pipeline, tiling  # noqa: E402
+from solattn import tiling  # noqa: E402
+from solattn.op.call import Call  # noqa: E402
+from solattn.op.route import VideoRoute  # noqa: E402
 from solattn.backends.triton import KernelConfig, TritonTuning, launch  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.backends.triton import kernel  # noqa: E402
@@ -83,9 +85,9 @@ class IndexOps:
                      and any(isinstance(s, list) and s and math.prod(s) >= self.numel for s in e.input_shapes)]
 
 
-def _route(grid, segments, mode, k_vid, device):
-    call = pipeline.Call(1.0, None, None, None, 0.0, False, 0, list(grid), k_vid, list(segments), mode)
-    return pipeline.VideoRoute(call, torch.device(device))
+def _route(grid, segments, mode, k_vid, q):
+    """VSA's route of a call on ``q`` (as q, k and v; a test gives its own with ``route.call._replace``)."""
+    return VideoRoute(Call(q, q, q, grid=list(grid), k_vid=k_vid, segments=list(segments), prefix_mode=mode))
 
 
 @pytest.mark.parametrize("grid, B, segments, mode, k_vid, load, device", FORWARD_CASES)
@@ -111,8 +113,8 @@ def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_
 
     # the same launch into a NaN-poisoned output: every token written (once: the result is the
     # public call's, bit for bit), the long prefix programs first
-    route = _route(grid, segments, mode, k_vid, device)
-    problem, chosen = route.prepare(q, k, v, gate, None, None, "triton", False)
+    route = _route(grid, segments, mode, k_vid, q)
+    problem, chosen = route.prepare(route.call._replace(q=q, k=k, v=v, gate=gate), "triton", False)
     assert chosen.name == "triton" and problem.rows is not None and problem.T == route.rows()
     assert problem.sink_q == ((0, route.layout.num_prefix_blocks) if segments else None)
     poisoned = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
@@ -129,8 +131,8 @@ def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_
 def test_len_codes_carry_each_listed_block_with_its_dead_rows():
     grid, segments = (3, 7, 6), (5, 130)
     q, k, v = make_inputs(grid, B=2, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=7)
-    route = _route(grid, segments, "compete", 2, q.device)
-    problem, _ = route.prepare(q, k, v, None, None, None, "triton", False)
+    route = _route(grid, segments, "compete", 2, q)
+    problem, _ = route.prepare(route.call._replace(q=q, k=k, v=v, gate=None), "triton", False)
     plan = route.plan(problem, fused=True)
     ops = tb.kernel_operands(problem, plan)
     codes = torch.full_like(ops.kv_idx, -1)
@@ -146,10 +148,10 @@ def test_len_codes_carry_each_listed_block_with_its_dead_rows():
 def test_fused_plan_reads_the_row_table_like_a_tiled_copy():
     grid, segments, k_vid = (5, 4, 9), (70, 1, 64), 3
     q, k, v, gate = make_inputs(grid, B=2, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=3, gate=True)
-    route = _route(grid, segments, "exempt", k_vid, q.device)
-    raw, _ = route.prepare(q, k, v, gate, None, None, "triton", False)
+    route = _route(grid, segments, "exempt", k_vid, q)
+    raw, _ = route.prepare(route.call._replace(q=q, k=k, v=v, gate=gate), "triton", False)
     tq, tk, tv = (route.tiled(x) for x in (q, k, v))
-    tiled = route.problem(tq, tk, tv, route.gate(gate, tq), None, None)
+    tiled = route.problem(route.call._replace(q=tq, k=tk, v=tv, gate=route.gate(gate)))
     plans = [build_vsa_plan(p, k_vid, route.layout.num_prefix_blocks, "exempt", fused=True) for p in (raw, tiled)]
     for name in ("kv_num_blocks", "kv_indices", "block_len", "coarse", "touches_dead"):
         assert torch.equal(getattr(plans[0], name), getattr(plans[1], name)), name
@@ -158,14 +160,14 @@ def test_fused_plan_reads_the_row_table_like_a_tiled_copy():
 def test_tiled_copies_only_where_the_backend_or_a_backward_needs_them():
     grid, segments, k_vid = (3, 7, 6), (5, 130), 2
     q, k, v, gate = make_inputs(grid, B=1, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=1, gate=True)
-    route = _route(grid, segments, "exempt", k_vid, q.device)
+    route = _route(grid, segments, "exempt", k_vid, q)
     # (backend, gate, a backward may follow, fused plan) -> a row table; else tiled copies: a
     # backend that reads no table, or a plan built by torch (here: too many blocks for the fused one)
     for requested, g, want_lse, fused, rows in (("triton", gate, False, True, True), ("triton", None, True, True, True),
                                                 ("triton", gate, True, True, True), ("sdpa", gate, False, True, False),
                                                 ("triton", gate, False, False, False)):
         with tuning(FusedPlanTuning(max_fused_blocks=8192 if fused else 1)):
-            problem, chosen = route.prepare(q, k, v, g, None, None, requested, want_lse)
+            problem, chosen = route.prepare(route.call._replace(q=q, k=k, v=v, gate=g), requested, want_lse)
         assert chosen.name == requested and (problem.rows is not None) == rows
         assert problem.T == route.rows() and problem.sink_q == (0, route.layout.num_prefix_blocks)
         if rows:
@@ -218,8 +220,8 @@ def test_video_plan_reads_the_row_table_and_runs_as_the_call_does():
 def test_torch_plan_refuses_a_row_table():
     grid, segments = (3, 7, 6), (5, 130)
     q, k, v = make_inputs(grid, segments=segments, dtype=torch.bfloat16)
-    route = _route(grid, segments, "exempt", 2, q.device)
-    raw, _ = route.prepare(q, k, v, None, None, None, "triton", False)
+    route = _route(grid, segments, "exempt", 2, q)
+    raw, _ = route.prepare(route.call._replace(q=q, k=k, v=v, gate=None), "triton", False)
     with pytest.raises(ValueError, match="row table"):
         build_vsa_plan(raw, 2, route.layout.num_prefix_blocks, fused=False)
     assert dataclasses.replace(raw, rows=None).T == q.shape[1]
@@ -231,8 +233,8 @@ def test_fused_plan_makes_the_forward_kernels_copies_and_codes_on_the_way():
     hands each out once (:meth:`Plan.take`)."""
     grid, segments = (3, 7, 6), (5, 130)
     q, k, v = make_inputs(grid, B=2, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=7)
-    route = _route(grid, segments, "compete", 2, q.device)
-    problem, _ = route.prepare(q, k, v, None, None, None, "triton", False)
+    route = _route(grid, segments, "compete", 2, q)
+    problem, _ = route.prepare(route.call._replace(q=q, k=k, v=v, gate=None), "triton", False)
     plan = route.plan(problem, True, frozenset({"tiled_kv", "len_codes"}))
     ops = tb.kernel_operands(problem, plan)
     kt, vt = plan.take("tiled_kv")

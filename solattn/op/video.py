@@ -1,11 +1,12 @@
-"""The ``video_sparse_attn`` front door of the op pipeline (:mod:`solattn.pipeline`).
+"""The ``video_sparse_attn`` front door: :func:`video_sparse_attn` and :func:`video_plan`.
 
 ``video_sparse_attn`` follows FastVideo's VSA-H3 backend: a packed sequence of prefix segments
 (text, audio, ...; each cut into its own 64-row tiles) and the video cubes is tiled
 (:mod:`solattn.tiling`, which also gives :func:`tile` and :func:`untile`), the plan selects key
 tiles per query tile (``solattn.routing.vsa``) and carries the coarse term, a backend that
 consumes the plan computes fine + gate * coarse, and the result returns in raw token order:
-the same custom op as ``sol_attn`` on VSA's route (:class:`solattn.pipeline.VideoRoute`).
+the same :class:`~.call.Call` and custom op as ``sol_attn``, on VSA's route
+(:class:`solattn.op.route.VideoRoute`).
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import eager, pipeline, tiling
-from .modes import check_transforms, eager_call, plain_eager
-from .routing import PREFIX_MODES, Plan, check_plan, vsa_topk_from_sparsity
-from .tiling import DEFAULT_CUBE, Grid, check_grid_cube, layout, num_cubes, tile, untile
-from .validation import SUPPORTED_DTYPES, finite, validate
-from .validation import fail as _fail
+from .. import tiling
+from ..routing import PREFIX_MODES, Plan, check_plan, vsa_topk_from_sparsity
+from ..tiling import DEFAULT_CUBE, check_grid_cube, num_cubes
+from ..validation import SUPPORTED_DTYPES, finite, validate
+from ..validation import fail as _fail
+from .call import Call
+from .custom import call_op
+from .route import VideoRoute, plan_backend
 
-__all__ = ["video_sparse_attn", "video_plan", "tile", "untile", "num_cubes", "DEFAULT_CUBE", "Grid"]
+__all__ = ["video_sparse_attn", "video_plan"]
 
 
 def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,
@@ -78,25 +81,11 @@ def video_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *
     if plan is not None:
         B, _, H, D = q.shape
         plan = check_plan(fn, plan, B, H, tiling.tiled_rows(grid, segments), q.device)
-    given = pipeline.plan_operands(plan)
-    want_lse = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, gate))
-    # sol_attn's arguments as VSA's route reads them: the scale and the gate (no tail, sinks, bias)
-    args = (q, k, v, 1.0, None if scale is None else float(scale), None, None, None, 0.0, False, None, gate, 0,
-            backend or "", want_lse, list(grid), int(k_vid), list(segments), prefix_mode, *given)
-    direct = plain_eager(q, k, v, gate)
-    if want_lse and direct:
-        return eager.eager_autograd(*args)
-    if direct:
-        # through the cuda_graphs() cache when one is active: the fused plan (CUDA, triton) has no
-        # host syncs, other plans stay eager; the cached layout's tables are read too, so they key,
-        # and so are a given plan's tensors (none without a plan: the op's padding is not read)
-        tiles = layout(grid, DEFAULT_CUBE, segments, q.device)
-        return eager_call(lambda: eager.forward_output(*args),
-                          (q, k, v, gate, *tiles[:3], tiles.block_len, *(given if plan is not None else ())),
-                          ("video_sparse_attn", args[4], *args[13:-pipeline.PLAN_OPERANDS]))
-    check_transforms("video_sparse_attn", (q, k, v, gate))
-    return pipeline.sol_attn_op(*args)[0]
+    # the scale and the gate of sol_attn's arguments, and VSA's layout and selection (no tail,
+    # sinks or bias)
+    return call_op(fn, Call(q, k, v, gate=gate, scale=None if scale is None else float(scale), grid=list(grid),
+                            k_vid=int(k_vid), segments=list(segments), prefix_mode=prefix_mode,
+                            backend=backend or "", plan=plan))
 
 
 def video_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,
@@ -112,11 +101,10 @@ def video_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid, *,
     fn = "video_plan"
     grid, segments, k_vid, gate = _checked(fn, q, k, v, grid, sparsity, topk, gate, scale, backend, prefix_len,
                                            prefix_mode)
-    call = pipeline.Call(1.0, None if scale is None else float(scale), None, None, 0.0, False, 0, list(grid),
-                         int(k_vid), list(segments), prefix_mode)
-    route = pipeline.VideoRoute(call, q.device)
+    route = VideoRoute(Call(q, k, v, scale=None if scale is None else float(scale), grid=list(grid),
+                            k_vid=int(k_vid), segments=list(segments), prefix_mode=prefix_mode))
     with torch.no_grad():        # the backend's problem: tiled copies, or the caller's tensors and the row table
-        problem, chosen = route.prepare(q, k, v, None, None, None, route.requested(backend or None), False)
+        problem, chosen = route.prepare(route.call, route.requested(backend or None), False)
         return route.build(problem, fused=getattr(chosen, "fused_plan", False)).selection()
 
 
@@ -142,7 +130,7 @@ def _checked(fn: str, q, k, v, grid, sparsity, topk, gate, scale, backend, prefi
     n_video = num_cubes(grid, cube)
     k_vid = _resolve_topk(fn, sparsity, topk, n_video)
     gate = _check_gate(fn, gate, q, P, n_video_tokens)
-    pipeline.plan_backend(backend)                 # a backend that cannot serve VSA: refuse now
+    plan_backend(backend)                          # a backend that cannot serve VSA: refuse now
     return grid, segments, k_vid, gate
 
 
@@ -176,8 +164,8 @@ def _resolve_topk(fn: str, sparsity, topk, n_video: int) -> int:
 
 
 def _check_gate(fn: str, gate, q: torch.Tensor, prefix_len: int, n_video_tokens: int):
-    """None, a 0-dim fp32 tensor (a constant gate) or a tensor of q's shape (prefix rows of a
-    video-shaped gate filled with 0)."""
+    """None or a tensor of q's shape: a number's fp32 value as a stride-0 view (a constant gate),
+    a video-shaped gate with its prefix rows filled with 0."""
     if gate is None:
         return None
     B, T, H, D = q.shape
@@ -193,7 +181,8 @@ def _check_gate(fn: str, gate, q: torch.Tensor, prefix_len: int, n_video_tokens:
             refuse(type(gate).__name__, TypeError)
         if not finite(float(gate)):
             refuse(repr(gate))
-        return torch.tensor(float(gate), dtype=torch.float32, device=q.device)
+        # one value for every row: a stride-0 view of q's shape, read as any gate is
+        return torch.tensor(float(gate), dtype=torch.float32, device=q.device).expand(q.shape)
     wrong_dtype = gate.dtype not in SUPPORTED_DTYPES
     if wrong_dtype or gate.device != q.device or tuple(gate.shape) not in (tuple(q.shape), video_shape):
         refuse(f"a tensor of shape {tuple(gate.shape)}, dtype {gate.dtype}, device {gate.device}",

@@ -1,125 +1,78 @@
-"""What a backward pass of the op needs, and the two ways it differentiates.
-
-The forward's extra outputs (:func:`backward_buffers`, a :data:`PLANS` token and which backend's
-backward applies, :func:`run_for_backward`); a backend's own backward (:func:`fused_grads`,
-with the plan's tail terms carried through autograd, :func:`grads_through_plan`, and its coarse
-term's gradient computed directly, :func:`coarse_token_grads`);
-and recomputation through a differentiable backend (:func:`recompute_grads`). The selection is
-treated as constant either way.
+"""The op's backward: the gradients of a call (:func:`grads`), by the own backward of the
+backend that ran the forward (:func:`fused_grads`, with the plan's tail terms carried through
+autograd, :func:`grads_through_plan`, and its coarse term's gradient computed directly,
+:func:`coarse_token_grads`) or by recomputation through a differentiable backend
+(:func:`recompute_grads`). The selection is treated as constant either way. What the forward
+kept for it comes from :mod:`.saved`.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from . import dispatch
-from .backends.base import Backend, BackwardBuffers, Gradients
-from .routing.coarse_grad import coarse_block_grads, spread_rows
-from .routing.stats import block_stats
-from .validation import BLOCK, Problem
+from .. import dispatch
+from ..backends.base import Backend, BackwardBuffers, Gradients
+from ..routing.coarse_grad import coarse_block_grads, spread_rows
+from ..routing.stats import block_stats
+from ..validation import Problem
+from .call import Call
+from .route import route_of, run
+from .saved import fused_plan_allowed, own_backward, rebuilds_plan
 
 Tensor = torch.Tensor
 
 
-def backward_buffers(q: Tensor, v: Tensor, want: bool, rows: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """The custom ops' outputs for a backend's own backward, ``(lse, resid)`` (``BackwardBuffers``):
-    when a backward may need them (written only by such a backend), an fp32 ``(B, H, n * 64)`` and a
-    ``(B, rows, H, D)`` tensor of v's dtype for the output's rounding residual; else two empty
-    ``(0,)`` tensors. ``rows``: the sequence length the kernel runs on, when not q's (VSA's tiled
-    layout)."""
-    if not want:
-        return (torch.empty((0,), dtype=torch.float32, device=q.device),
-                torch.empty((0,), dtype=v.dtype, device=q.device))
-    B, T, H, D = q.shape
-    T = T if rows is None else rows
-    return (torch.empty((B, H, -(-T // BLOCK) * BLOCK), dtype=torch.float32, device=q.device),
-            torch.empty((B, T, H, D), dtype=v.dtype, device=q.device))
+def grads(call: Call, out: Tensor, lse: Tensor, resid: Tensor, fused: Tensor, grad_out: Tensor, bias_grad: bool,
+          gate_grad: bool, settings=None, plan=None):
+    """``(dq, dk, dv, dgate, dbias)`` of ``call`` (None where not asked for: ``bias_grad``,
+    ``gate_grad``) from the forward's outputs: the own backward of the backend that ran the
+    forward, else a recomputation through a differentiable backend. ``settings``, ``plan``: the
+    forward's context and kept plan, when the backward runs eagerly."""
+    route = route_of(call)
+    gate, key_bias = call.gate, call.key_bias
+    own = own_backward(lse, fused)
+    if own is None:
+        def recompute(leaves, name):
+            qd, kd, vd, gd, bd = leaves
+            return run(route, call._replace(q=qd, k=kd, v=vd, gate=gd, key_bias=key_bias if bd is None else bd,
+                                            backend=name or ""))[0]
+
+        gq, gk, gv, gg, gb = recompute_grads(recompute, (call.q, call.k, call.v, gate, key_bias if bias_grad else None),
+                                             grad_out, call.backend or None, required={4: "key_bias"},
+                                             settings=settings)
+        return gq, gk, gv, gg if gate_grad else None, gb
+
+    # The own backward's inner loops read tiled copies for VSA even where the forward read the row
+    # table: on an H200 (B=1 H=56 D=128 bf16, gated, 16x48x48) forward + backward took 48.9 ms so
+    # against 60.6 ms through the table with 58 of 576 tiles, 87.9 against 108.1 ms with 116 (each
+    # block load waits on its row index). q, k, v, dO and a gate that varies over tokens are tiled at
+    # once (one launch where the backend makes them); a backend that reads a row table reads the
+    # output and writes the gradients in the caller's order itself (no gather: ~0.3 ms a tensor at
+    # 16x48x48).
+    tq, tk, tv, tdo, tg = route.tiled_all((call.q, call.k, call.v, grad_out, route.gate_copied(gate)), own)
+    tg = route.gate(gate) if tg is None else tg
+    rows = route.output_rows() if own.row_table else None
+    # the output to the backend's rows and its gradients back: done by the backend itself with rows
+    to_rows, from_rows = (route.tiled, route.untiled) if rows is None else (_as_is, _as_is)
+
+    def problem_of(qd, kd, vd):
+        return route.problem(call._replace(q=qd, k=kd, v=vd, gate=tg))
+
+    gq, gk, gv, gg, gb = fused_grads(own, problem_of, route.plan, (tq, tk, tv), to_rows(out), lse, resid,
+                                     tdo, bias_grad=bias_grad, settings=settings, saved=plan, rows=rows)
+    gq, gk, gv = (from_rows(g) for g in (gq, gk, gv))
+    gg = from_rows(gg).to(gate.dtype) if gg is not None and gate_grad else None
+    if gb is not None:                       # (B or 1, T) summed over heads -> key_bias's shape
+        if key_bias.numel() != gb.numel():
+            gb = gb.sum(dim=0, keepdim=True)
+        gb = gb.reshape(key_bias.shape).to(key_bias.dtype)
+    return gq, gk, gv, gg, gb
 
 
-class _PlanHandoff:
-    """The plan of the last forward an own backward may follow, per thread, from the op's
-    computation to its ``setup_context`` (which runs right after it in the same thread and keeps
-    the plan on the autograd node: it lives and dies with the graph, and a second backward of a
-    retained graph reuses it). The op returns the token in its CPU ``fused`` output; a slot whose
-    token does not match is ignored, and each forward overwrites the slot, so at most one plan per
-    thread waits here (e.g. when compiled code runs the op without ``setup_context``)."""
-
-    def __init__(self):
-        self._tokens = itertools.count(1)
-        self._lock = threading.Lock()
-        self._slot = threading.local()
-
-    def put(self, plan=None) -> int:
-        """A new token (> 0); ``plan`` waits under it (None: nothing to hand over)."""
-        with self._lock:
-            token = next(self._tokens)
-        self._slot.value = (token, plan) if plan is not None else None
-        return token
-
-    def take(self, fused: Tensor):
-        """The plan waiting under the token in ``fused`` (the op's output), or None."""
-        if type(fused) is not torch.Tensor or not fused.numel():     # traced (fake) outputs: nothing
-            return None
-        waiting = getattr(self._slot, "value", None)
-        self._slot.value = None
-        token = fused.tolist()[0]          # read in place: no select or item op
-        return waiting[1] if waiting is not None and token and waiting[0] == token else None
-
-
-PLANS = _PlanHandoff()
-
-
-def rebuilds_plan(problem: Problem) -> bool:
-    """Whether the own backward of ``problem`` rebuilds its plan with autograd: it has tail terms,
-    whose gradients reach q, k, v through the selection mask and the centred means, so they are
-    carried by autograd through a rebuilt plan. The coarse branch needs no rebuild: its gradient
-    is computed directly from the kept plan (:mod:`solattn.routing.coarse_grad`)."""
-    return problem.tail
-
-
-def fused_plan_allowed(chosen, problem: Problem, want_lse: bool) -> bool:
-    """Whether ``chosen`` runs ``problem`` from the fused (GPU) routing plan: it takes one, unless
-    a backward may follow (``want_lse``) that rebuilds the plan's tail terms through the torch
-    path (they carry gradients there). The forward then builds its plan the same way, so that
-    both passes select the same blocks (the fused plan's products round differently: near-ties
-    can flip). ``sol_attn`` and ``video_sparse_attn`` both ask here, and so does a backward that
-    rebuilds a plan without autograd (the forward's was not kept)."""
-    return bool(getattr(chosen, "fused_plan", False)) and not (want_lse and rebuilds_plan(problem))
-
-
-#: names of the backends with their own backward that ran a forward of this process, so that
-#: the op's ``fused`` output can say which one a backward calls (its position + 1)
-_OWN_BACKWARD: List[str] = []
-
-
-def run_for_backward(chosen: Backend, problem: Problem, plan, lse: Tensor, resid: Tensor) -> Tuple[Tensor, Tensor]:
-    """Run the chosen backend; one with its own backward also fills :func:`backward_buffers` when
-    they are not empty. Returns the output and ``fused``, a CPU int64 ``(2,)`` tensor: a
-    :data:`PLANS` token (the plan waits under it when it has no differentiable block terms) and
-    which backend's backward applies (:func:`own_backward`), both 0 when the backward recomputes."""
-    if chosen.differentiation == "own" and lse.numel():
-        out = chosen.forward_for_backward(problem, plan, BackwardBuffers(lse, resid))
-        if chosen.name not in _OWN_BACKWARD:
-            _OWN_BACKWARD.append(chosen.name)
-        token = PLANS.put(None if rebuilds_plan(problem) else plan)
-        return out, torch.tensor([token, _OWN_BACKWARD.index(chosen.name) + 1], dtype=torch.int64)
-    return chosen.forward(problem, plan), torch.zeros((2,), dtype=torch.int64)
-
-
-def own_backward(lse: Tensor, fused: Tensor) -> Optional[Backend]:
-    """The backend whose own backward differentiates a forward that returned ``lse`` and
-    ``fused`` (:func:`run_for_backward`), or None when the backward recomputes."""
-    which = fused.tolist()[1] if lse.numel() else 0
-    return dispatch.get_backend(_OWN_BACKWARD[which - 1]) if which else None
-
-
-def fake_fused() -> Tensor:
-    """The fake of :func:`run_for_backward`'s ``fused`` output."""
-    return torch.empty((2,), dtype=torch.int64)
+def _as_is(x: Tensor) -> Tensor:
+    return x
 
 
 def fused_grads(backend: Backend, problem_of: Callable, make_plan: Callable, inputs, out: Tensor, lse: Tensor,
@@ -203,7 +156,7 @@ def recompute_grads(forward, inputs, grad_out, requested: Optional[str], require
     :func:`dispatch.differentiable_request`'s backend, or the device's first differentiable one.
     Returns one gradient (or ``None``) per input. ``required`` maps input positions to names
     whose gradient must exist: a backend whose graph does not reach one is an error, not a
-    silent ``None``. ``settings`` (from :func:`solattn.modes.forward_settings`) runs the
+    silent ``None``. ``settings`` (from :func:`solattn.op.fast.forward_settings`) runs the
     recomputation under the scoped settings (``use_backend``, ``memory_budget``) that were in
     force at the forward call."""
     if settings is not None:   # a copy: two backward passes of one graph may run at once

@@ -1,10 +1,8 @@
-"""The ``sol_attn`` front door of the op pipeline (:mod:`solattn.pipeline`).
+"""The ``sol_attn`` front door: :func:`sol_attn` and :func:`plan`.
 
 ``sol_attn`` validates (metadata only, so it also runs while ``torch.compile`` traces with fake
-tensors) and runs the custom op ``solattn::sol_attn`` on the caller's token layout with
-Sol-Attn's selection; a plain eager call runs the op's computation directly (:mod:`solattn.eager`),
-without gradients through the active :func:`solattn.graphs.cuda_graphs` cache when there is one
-(:mod:`solattn.modes`).
+tensors), makes its :class:`~.call.Call` and runs it (:func:`.custom.call_op`) on the caller's
+token layout with Sol-Attn's selection.
 """
 
 from __future__ import annotations
@@ -14,10 +12,11 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import dispatch, eager, pipeline
-from .modes import check_transforms, eager_call, plain_eager
-from .routing import Plan, build_plan, check_plan
-from .validation import Problem, validate
+from .. import dispatch
+from ..routing import Plan, build_plan, check_plan
+from ..validation import Problem, validate
+from .call import Call
+from .custom import call_op
 
 Tensor = torch.Tensor
 
@@ -82,25 +81,13 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
                        coarse_gate, token_aug)
     if backend is not None:
         dispatch.get_backend(backend)
-    given = pipeline.plan_operands(None if plan is None else check_plan(
-        "sol_attn", plan, problem.B, problem.H, problem.T, problem.device))
-    want_lse = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, coarse_gate, key_bias))
-    args = (q, k, v, float(tau), None if scale is None else float(scale), _as_list(sink_blocks),
-            _as_list(sink_q), key_bias, float(topk_ratio), bool(tail), block_len, coarse_gate,
-            int(token_aug), backend or "", want_lse, None, 0, [], "exempt", *given)   # no VSA route
-    direct = plain_eager(q, k, v, key_bias, block_len, coarse_gate)
-    if want_lse and direct:
-        return eager.eager_autograd(*args)
-    if direct:
-        # fn validates again (about 6 us on the CPU): under cuda_graphs() it is what a graph
-        # captures, and validation makes new tensors (a bool key_bias becomes a float one) that
-        # must be made inside the capture, from the caller's tensors, not once outside it
-        return eager_call(lambda: eager.forward_output(*args), (q, k, v, key_bias, block_len, coarse_gate,
-                                                                *(given if plan is not None else ())),
-                          ("sol_attn", *args[3:7], *args[8:10], *args[12:-pipeline.PLAN_OPERANDS]))
-    check_transforms("sol_attn", (q, k, v, key_bias, coarse_gate))
-    return pipeline.sol_attn_op(*args)[0]
+    if plan is not None:
+        plan = check_plan("sol_attn", plan, problem.B, problem.H, problem.T, problem.device)
+    return call_op("sol_attn", Call(q, k, v, key_bias=key_bias, block_len=block_len, gate=coarse_gate,
+                                    tau=float(tau), scale=None if scale is None else float(scale),
+                                    sink_blocks=_as_list(sink_blocks), sink_q=_as_list(sink_q),
+                                    topk_ratio=float(topk_ratio), tail=bool(tail), token_aug=int(token_aug),
+                                    backend=backend or "", plan=plan))
 
 
 def plan(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[float] = None,

@@ -1,10 +1,9 @@
-"""How a call reaches the op layer: the plain eager fast path, tracing, transforms, dispatch modes.
-
-A plain eager call (no tracing, transform, tensor subclass or dispatch mode, see
-:func:`plain_eager`) runs the op's computation directly (:mod:`solattn.eager`): without
-gradients through the active :func:`solattn.graphs.cuda_graphs` cache when there is one, with
-them under the op's own autograd; everything else goes through the ``torch.library`` custom op
-(:mod:`solattn.pipeline`).
+"""The fast path and the modes a call meets: a plain eager call (no tracing, transform, tensor
+subclass or dispatch mode, :func:`plain_eager`) runs the op's computation directly, through the
+active :func:`solattn.graphs.cuda_graphs` cache when there is one (:func:`eager_call`); the rest
+goes through the ``torch.library`` custom op (:mod:`.custom`), with transforms that would drop a
+derivative refused first (:func:`check_transforms`). Also the forward's scoped settings for its
+backward, and autograd recording inside a backward op.
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import dispatch, graphs
-from .budget import BUDGETS, current_budget
-from .compiling import tracing
+from .. import dispatch, graphs
+from ..budget import BUDGETS, current_budget
+from ..compiling import tracing
 
 Tensor = torch.Tensor
 
