@@ -1,5 +1,5 @@
 """The coarse branch's block gradients in the triton backward: the two Triton kernels
-(:func:`solattn.routing.coarse_kernels.fused_coarse_row_grads`) against the torch products
+(:func:`solattn.backends.triton.coarse_kernels.fused_coarse_row_grads`) against the torch products
 (:func:`solattn.routing.coarse_grad.coarse_block_grads` then ``per_rows``), with their error.
 
     python benchmarks/bench_coarse_grad.py --out DIR              # a CUDA GPU: n = 128, 583, 2048
@@ -78,7 +78,7 @@ def host_ms(fn, device: torch.device, repeats: int, busy_cycles: int) -> float:
 
 
 def run(sizes, device, rounds: int, busy_cycles: int, sweep: bool):
-    from solattn.routing.coarse_kernels import fused_coarse_row_grads
+    from solattn.backends.triton.coarse_kernels import fused_coarse_row_grads
     lines = ["| shape | G, n, D | path | GPU ms | host ms | dq err abs / rel | dk err | dv err |",
              "|---|---|---|---|---|---|---|---|"]
     sweep_lines = ["| n | tile | chunk | warps | GPU ms |", "|---|---|---|---|---|"]

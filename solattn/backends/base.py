@@ -8,7 +8,7 @@ from typing import ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Tuple,
 
 import torch
 
-from ..kernels import cuda_capability
+from ..triton_runtime import cuda_capability
 from ..validation import BLOCK, Problem
 
 #: ``"autograd"``: the backend's forward records torch autograd, so a backward pass can

@@ -36,7 +36,7 @@ more than k blocks, so no smaller width is safe). Only consumers that read ``kv_
 entries of each row and take the width from the tensor (the ``triton`` backend) ask for this
 plan; see :func:`fused_plan_usable` for when it applies.
 
-The kernels are ``JITFunction``\\ s launched through :func:`solattn.kernels.runtime.compiled`, so
+The kernels are ``JITFunction``\\ s launched through :func:`solattn.triton_runtime.jit.compiled`, so
 the same source runs under ``TRITON_INTERPRET=1`` on the CPU (tests). Triton is imported only
 when a fused plan is built.
 """
@@ -51,7 +51,7 @@ import torch
 
 from ..budget import current_budget
 from ..config import Tuning, current_tuning
-from ..kernels import cuda_capability, device_constant, interpret_on, interpretable, on_device, pow2, triton_runs_on
+from ..triton_runtime import cuda_capability, device_constant, interpret_on, interpretable, on_device, pow2, triton_runs_on
 from ..validation import BLOCK, Problem, fail
 from .plan import CallPlan
 from .select import topk_count
@@ -253,7 +253,7 @@ def _fused_plan(problem: Problem, rule: Optional[Rule] = None, extras: FrozenSet
     """``rule``: the selection (default :func:`sol_attn_rule`); launch parameters: the measured
     choices below, or the overrides of the :class:`FusedPlanTuning` in force."""
     tuning = current_tuning(FusedPlanTuning).overrides()
-    from ..kernels.runtime import compiled  # imports Triton
+    from ..triton_runtime.jit import compiled  # imports Triton
     from . import fused_kernels as fk
 
     q, k, v = problem.q, problem.k, problem.v

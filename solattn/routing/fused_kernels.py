@@ -1,15 +1,15 @@
 """Triton kernels of the fused routing plan (see :mod:`solattn.routing.fused`); importing this
 module imports Triton.
 
-Every kernel is a compiled ``JITFunction`` (:func:`solattn.kernels.runtime.gpu_jit`), launched on
-the GPU or in Triton's CPU interpreter through :func:`solattn.kernels.runtime.compiled`.
+Every kernel is a compiled ``JITFunction`` (:func:`solattn.triton_runtime.jit.gpu_jit`), launched on
+the GPU or in Triton's CPU interpreter through :func:`solattn.triton_runtime.jit.compiled`.
 """
 
 from __future__ import annotations
 
 import triton.language as tl
 
-from ..kernels.runtime import gpu_jit
+from ..triton_runtime.jit import gpu_jit
 
 
 @gpu_jit

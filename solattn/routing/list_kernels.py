@@ -3,7 +3,7 @@ kernel; importing this module imports Triton.
 
 The torch path builds the query lists from a dense mask in about a dozen small operations, each
 20-40 us of host time on a GPU; here they take one launch and the two outputs' allocations, and
-no host synchronisation. It runs where Triton runs (:func:`solattn.kernels.triton_runs_on`);
+no host synchronisation. It runs where Triton runs (:func:`solattn.triton_runtime.triton_runs_on`);
 the torch path stays for every other plan and device (see :meth:`.plan.Plan.query_lists`).
 
 :func:`query_lists_kernel` runs one program per (tile of BJ key blocks, batch * head). A program
@@ -29,8 +29,8 @@ from typing import Tuple
 import torch
 import triton.language as tl
 
-from ..kernels import interpret_on, on_device, pow2
-from ..kernels.runtime import compiled, gpu_jit
+from ..triton_runtime import interpret_on, on_device, pow2
+from ..triton_runtime.jit import compiled, gpu_jit
 
 #: elements of one program's largest register tile (its window of list entries, its chunk of
 #: rows of q_indices): a few thousand, as the fused plan's kernels keep

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..budget import current_budget
-from ..kernels import device_constant, triton_runs_on
+from ..triton_runtime import device_constant, triton_runs_on
 from ..validation import BLOCK, Problem, fail
 from .stats import BlockStats, block_means, block_stats, live_lengths, serial_cpu
 

@@ -13,8 +13,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ...config import current_tuning, graph_recording
-from ...kernels import interpret_on, interpreting, on_device
-from ...kernels import triton_installed as _triton_installed
+from ...triton_runtime import interpret_on, interpreting, on_device
+from ...triton_runtime import triton_installed as _triton_installed
 from ...validation import BLOCK, Problem
 from ..base import ALL_FEATURES, Backend, BackwardBuffers, Gradients
 from .operands import KernelOperands, kernel_operands, tma_descriptors, tma_ok  # noqa: F401 (KernelOperands: re-exported)
@@ -88,7 +88,7 @@ def _check_buffer(name: str, t: Optional[torch.Tensor], shape, dtype: torch.dtyp
 def run_kernel(problem: Problem, plan, cfg: KernelConfig, out: Optional[torch.Tensor] = None,
                lse: Optional[torch.Tensor] = None, resid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch the forward kernel with ``cfg`` on ``problem`` and ``plan`` (see :func:`launch`)."""
-    from ...kernels.runtime import compiled  # imports triton
+    from ...triton_runtime.jit import compiled  # imports triton
     from . import kernel
 
     B, T, H, D, n = problem.B, problem.T, problem.H, problem.D, problem.n
@@ -164,7 +164,7 @@ def tiled_copies(xs: Sequence[torch.Tensor], rows: torch.Tensor, block_len: torc
     makes them: one :func:`kernel.tile_rows` launch for each run of up to five tensors that it
     reads from the first one's address (:func:`_joins`), where a gather and a fill each took a
     torch op. Launched on the current device."""
-    from ...kernels.runtime import compiled  # imports triton
+    from ...triton_runtime.jit import compiled  # imports triton
     from . import kernel
 
     first = xs[0]

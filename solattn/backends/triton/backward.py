@@ -25,8 +25,8 @@ gradient and ``delta_t = dO_t . O_t``, a logit's natural-log gradient is ``p (dO
   ``dv`` and ``dq`` (``POOLED``).
 
 Between the two, :func:`coarse_row_grads` carries ``dcoarse`` through the coarse term's softmax
-over the block means (:mod:`solattn.routing.coarse_kernels`: two kernels at block granularity;
-the torch products of :mod:`solattn.routing.coarse_grad` where those cannot run),
+over the block means (:mod:`solattn.backends.triton.coarse_kernels`: two kernels at block
+granularity; the torch products of :mod:`solattn.routing.coarse_grad` where those cannot run),
 so the coarse branch needs neither a rebuilt plan nor an autograd graph. The tail's block-level
 sums are ``(B, H, n, ...)`` tensors: :func:`fused_backward` hands them to the caller (the op
 layer), which back-propagates them through the plan's differentiable block means and tail terms
@@ -48,10 +48,10 @@ import torch
 import triton.language as tl
 
 from ...config import current_tuning, graph_recording
-from ...kernels import interpretable
-from ...kernels.runtime import compiled, gpu_jit
-from ...routing.coarse_kernels import coarse_kernels_pay, coarse_kernels_usable, fused_coarse_row_grads
+from ...triton_runtime import interpretable
+from ...triton_runtime.jit import compiled, gpu_jit
 from ...validation import BLOCK, Problem
+from .coarse_kernels import coarse_kernels_pay, coarse_kernels_usable, fused_coarse_row_grads
 from .kernel import LOG2E, key_rows, logits, program_ids, query_rows
 from .operands import kernel_operands, tma_descriptors, tma_layout_ok, tma_ok
 from .tuning import BackwardConfig, TritonTuning
@@ -268,8 +268,8 @@ def coarse_row_grads(problem: Problem, plan, means: torch.Tensor, dcoarse: torch
     ``(B * H, n, D)``: its gradient ``dcoarse`` ``(B * H, n, D)`` carried through the softmax over the
     block means ``means`` (``(3, B * H, n, D)``: those of q, k, v; both from
     :func:`sol_attn_bwd_dq`), see :func:`solattn.routing.coarse_grad.coarse_block_grads`: by two
-    Triton kernels (:mod:`solattn.routing.coarse_kernels`) where they can run and pay (up to
-    ``MAX_BLOCKS`` blocks), else by those torch products."""
+    Triton kernels (:mod:`.coarse_kernels`) where they can run and pay (up to ``MAX_BLOCKS``
+    blocks), else by those torch products."""
     if coarse_kernels_usable(means) and coarse_kernels_pay(means.shape[2]):
         return fused_coarse_row_grads(means, dcoarse, plan.block_len, problem.scale)
     from ...routing.coarse_grad import coarse_block_grads, per_rows

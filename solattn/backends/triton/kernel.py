@@ -26,9 +26,9 @@ The kernel is built from small ``@jit`` pieces (the program's prologue: query bl
 starting state; one key block's logits, the online-softmax update, the epilogue); the backward
 kernels (``backward.py``) read their query and key blocks and recompute logits with the same pieces.
 
-Every function here is a compiled ``JITFunction`` (:func:`solattn.kernels.runtime.gpu_jit`),
+Every function here is a compiled ``JITFunction`` (:func:`solattn.triton_runtime.jit.gpu_jit`),
 launched on the GPU or in Triton's CPU interpreter through
-:func:`solattn.kernels.runtime.compiled`.
+:func:`solattn.triton_runtime.jit.compiled`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import math
 
 import triton.language as tl
 
-from ...kernels.runtime import gpu_jit
+from ...triton_runtime.jit import gpu_jit
 
 LOG2E = math.log2(math.e)
 

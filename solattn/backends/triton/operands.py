@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels import cuda_capability, interpret_on, interpretable
+from ...triton_runtime import cuda_capability, interpret_on, interpretable
 from ...validation import BLOCK, Problem
 
 
@@ -18,7 +18,7 @@ class KernelOperands:
     its plan: contiguous int32 / fp32 plan tensors (an unused field points at ``key_mean``, a
     dummy the kernel never reads), the key bias as fp32 with its batch stride (0 when shared),
     and the flags of the kernels' constexprs. Under the interpreter bf16 ``q``, ``k``, ``v`` and
-    ``gate`` are fp32 copies (:func:`solattn.kernels.interpretable`; interpreter runs are tiny)."""
+    ``gate`` are fp32 copies (:func:`solattn.triton_runtime.interpretable`; interpreter runs are tiny)."""
 
     q: torch.Tensor
     k: torch.Tensor

@@ -1,5 +1,6 @@
-"""The coarse branch's block gradients in Triton kernels (:mod:`solattn.routing.coarse_kernels`)
-against a float64 computation of their definition, beside the torch path's own error.
+"""The coarse branch's block gradients in Triton kernels
+(:mod:`solattn.backends.triton.coarse_kernels`) against a float64 computation of their definition,
+beside the torch path's own error.
 
 On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` per test), on a CUDA
 machine compiled (tf32x3 products on NVIDIA). Errors are measured in units of the size of what
@@ -82,7 +83,7 @@ CASES = [                     # G, n, D, key offset, query sharpness
 
 @pytest.mark.parametrize("G,n,D,key_offset,sharp", CASES)
 def test_kernels_match_float64_within_the_torch_paths_error(device, G, n, D, key_offset, sharp):
-    from solattn.routing.coarse_kernels import fused_coarse_row_grads
+    from solattn.backends.triton.coarse_kernels import fused_coarse_row_grads
     if device == "cpu" and n > 1024:
         pytest.skip("the interpreter takes minutes over n = 2048 blocks")
     means, dco, L = random_means(G, n, D, device, seed=n + D, key_offset=key_offset, sharp=sharp)
@@ -101,7 +102,7 @@ def test_kernels_match_float64_within_the_torch_paths_error(device, G, n, D, key
 def test_tiles_and_chunks_of_any_size_give_the_same_gradients(device):
     """Tiles and chunks that do not divide n (n = 40 against 16 and 32), a tile or a chunk wider
     than n: the same sums up to fp32 rounding."""
-    from solattn.routing.coarse_kernels import fused_coarse_row_grads
+    from solattn.backends.triton.coarse_kernels import fused_coarse_row_grads
     means, dco, L = random_means(2, 40, 32, device, seed=5)
     first = fused_coarse_row_grads(means, dco, L, 0.25)
     for tile, chunk in ((64, 16), (32, 64)):
@@ -114,7 +115,7 @@ def test_backward_takes_the_kernels_where_they_run_else_the_torch_path(device, m
     head dim, the torch products for means the kernels do not take (D = 24, float64) and for more
     blocks than the kernels pay for (``MAX_BLOCKS``, lowered here), with the same results."""
     import solattn.backends.triton.backward as bw
-    import solattn.routing.coarse_kernels as ck
+    import solattn.backends.triton.coarse_kernels as ck
     launches = []
     real = ck.fused_coarse_row_grads
     monkeypatch.setattr(bw, "fused_coarse_row_grads", lambda *a, **k: launches.append(1) or real(*a, **k))
@@ -134,7 +135,7 @@ def test_backward_takes_the_kernels_where_they_run_else_the_torch_path(device, m
 
 
 def test_mismatched_shapes_are_refused_before_any_launch():
-    from solattn.routing.coarse_kernels import fused_coarse_row_grads
+    from solattn.backends.triton.coarse_kernels import fused_coarse_row_grads
     means, dco, L = random_means(2, 5, 16, "cpu", seed=1)
     with pytest.raises(ValueError, match=r"received means \(3, 2, 5, 16\), dcoarse \(2, 4, 16\)"):
         fused_coarse_row_grads(means, dco[:, :4], L, 0.5)

@@ -20,7 +20,7 @@ if not triton_interpretable():
     pytest.skip("needs Triton >= 3.9 for its CPU interpreter", allow_module_level=True)
 
 import solattn  # noqa: E402
-from solattn import config, kernels  # noqa: E402
+from solattn import config, triton_runtime  # noqa: E402
 from solattn.backends.triton import TritonBackend  # noqa: E402
 from solattn.routing import build_plan, fused  # noqa: E402
 from solattn.testing import assert_selection_clear, make_qkv  # noqa: E402
@@ -448,7 +448,7 @@ def test_kth_kernel_finds_the_kth_largest_key(kind, n):
     """kth_kernel against the definition on hand-made score rows: theta = the order key of the kk-th
     largest non-sink score, or a key between it and the next (count(key >= theta) == kk, the same
     set); n a power of two (one piece) and not (two), sinks excluded, rows of 1 and 2 per program."""
-    from solattn.kernels.runtime import compiled
+    from solattn.triton_runtime.jit import compiled
     from solattn.routing import fused_kernels as fk
     gen = torch.Generator().manual_seed(n)
     G, R = 2, 8                          # the first R rows of each batch * head: the interpreter is slow
@@ -461,7 +461,7 @@ def test_kth_kernel_finds_the_kth_largest_key(kind, n):
     cand[s0:s1] = False
     ck = key[:, :R][..., cand]
     NA = 1 << (n.bit_length() - 1)
-    NB = 0 if n == NA else max(16, kernels.pow2(n - NA))
+    NB = 0 if n == NA else max(16, triton_runtime.pow2(n - NA))
     for kk in (1, n // 5, n - 3):
         kth = ck.sort(-1, descending=True).values[..., kk - 1]
         for rb in (1, 2):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from solattn import config, kernels
+from solattn import config, triton_runtime
 from solattn.op import custom, route as oproute
 from solattn.op.call import Call
 from solattn.backends.triton import KernelConfig, TritonTuning
@@ -76,13 +76,13 @@ def test_cuda_capability_is_asked_once_per_device_and_query(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", query)
     for _ in range(3):
-        assert kernels.cuda_capability(torch.device("cuda", 0)) == (9, 0)
-        assert kernels.cuda_capability(torch.device("cuda", 1)) == (8, 6)
+        assert triton_runtime.cuda_capability(torch.device("cuda", 0)) == (9, 0)
+        assert triton_runtime.cuda_capability(torch.device("cuda", 1)) == (8, 6)
     assert [d.index for d in asked] == [0, 1]
-    assert kernels.cuda_capability(torch.device("cuda")) == (8, 6)          # no index: asked each time
+    assert triton_runtime.cuda_capability(torch.device("cuda")) == (8, 6)   # no index: asked each time
     assert len(asked) == 3
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert kernels.cuda_capability(torch.device("cuda", 0)) == (7, 5)       # another query: asked afresh
+    assert triton_runtime.cuda_capability(torch.device("cuda", 0)) == (7, 5)  # another query: asked afresh
 
 
 def test_shared_zero_centroid_is_zeros_per_shape_and_device():
@@ -97,14 +97,14 @@ def test_shared_constants_are_fresh_inside_a_graph_capture(monkeypatch):
     """The plan's arange and the zero centroid come from one cache, which a CUDA graph capture
     bypasses (the graph owns what it makes) without entering what it makes into the cache. The
     capture is simulated: its test is what the cache asks."""
-    from solattn import kernels
+    from solattn import triton_runtime
     from solattn.routing import plan as plan_mod
     cpu = torch.device("cpu")
     shared = [plan_mod._arange(7, cpu), fused._zeros(2, 8, cpu)]
-    monkeypatch.setattr(kernels, "_capturing", lambda device: True)
+    monkeypatch.setattr(triton_runtime, "_capturing", lambda device: True)
     captured = [plan_mod._arange(7, cpu), fused._zeros(2, 8, cpu)]
     assert all(c is not s and torch.equal(c, s) for c, s in zip(captured, shared))
-    monkeypatch.setattr(kernels, "_capturing", lambda device: False)
+    monkeypatch.setattr(triton_runtime, "_capturing", lambda device: False)
     assert plan_mod._arange(7, cpu) is shared[0] and fused._zeros(2, 8, cpu) is shared[1]
 
 

@@ -318,7 +318,7 @@ def test_gpu_launches_ask_for_fused_multiply_adds():
     kernels were measured with it; Triton 3.10 turns its default off), passing everything else
     through; the interpreter's launches are left alone."""
     from solattn.backends.triton import kernel as tk
-    from solattn.kernels import runtime
+    from solattn.triton_runtime import jit
     seen = {}
 
     class Recorder:
@@ -326,7 +326,7 @@ def test_gpu_launches_ask_for_fused_multiply_adds():
             seen["grid"] = grid
             return lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs)
 
-    runtime.compiled(False, Recorder())[(3, 4)](1, "x", num_warps=4, FLAG=True)
+    jit.compiled(False, Recorder())[(3, 4)](1, "x", num_warps=4, FLAG=True)
     assert seen == {"grid": (3, 4), "args": (1, "x"),
                     "kwargs": {"num_warps": 4, "FLAG": True, "enable_fp_fusion": True}}
-    assert isinstance(runtime.compiled(True, tk.sol_attn_fwd), runtime.Interpreted)
+    assert isinstance(jit.compiled(True, tk.sol_attn_fwd), jit.Interpreted)

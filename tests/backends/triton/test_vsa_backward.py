@@ -18,9 +18,9 @@ if not triton_interpretable():
     pytest.skip("needs Triton >= 3.9 for its CPU interpreter", allow_module_level=True)
 
 import solattn  # noqa: E402
-import solattn.kernels.runtime as runtime  # noqa: E402
 from solattn.op import route as oproute, saved  # noqa: E402
 from solattn.op.call import Call  # noqa: E402
+from solattn.triton_runtime import jit  # noqa: E402
 from solattn.testing import dense_gradient_error, rel_l2, tolerance  # noqa: E402
 from tests.op.test_video import make_inputs, oracle_vsa  # noqa: E402
 
@@ -103,7 +103,7 @@ class OpCounts(TorchDispatchMode):
 @pytest.fixture
 def counted_launches(monkeypatch):
     """Interpreted kernel launches run outside any dispatch mode and are counted by the active one."""
-    real = runtime.Interpreted.__getitem__
+    real = jit.Interpreted.__getitem__
     modes = []
 
     def getitem(self, grid):
@@ -116,7 +116,7 @@ def counted_launches(monkeypatch):
                 return run(*args, **kwargs)
         return launch
 
-    monkeypatch.setattr(runtime.Interpreted, "__getitem__", getitem)
+    monkeypatch.setattr(jit.Interpreted, "__getitem__", getitem)
     return modes
 
 

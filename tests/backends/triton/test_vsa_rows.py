@@ -27,7 +27,7 @@ from solattn.op.route import VideoRoute  # noqa: E402
 from solattn.backends.triton import KernelConfig, TritonTuning, launch  # noqa: E402
 from solattn.backends.triton import backend as tb  # noqa: E402
 from solattn.backends.triton import kernel  # noqa: E402
-from solattn.kernels import runtime  # noqa: E402
+from solattn.triton_runtime import jit  # noqa: E402
 from solattn.config import tuning  # noqa: E402
 from solattn.routing import build_vsa_plan  # noqa: E402
 from solattn.routing.fused import FusedPlanTuning  # noqa: E402
@@ -95,8 +95,8 @@ def test_forward_matches_oracle_without_tiled_copies(grid, B, segments, mode, k_
     tensors = make_inputs(grid, B=B, H=2, D=16, segments=segments, dtype=torch.bfloat16, seed=7, gate=True)
     q, k, v, gate = (t.to(device) for t in tensors)
     launched = []           # the kernels launched, by name
-    real = runtime.compiled
-    monkeypatch.setattr(runtime, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
+    real = jit.compiled
+    monkeypatch.setattr(jit, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
     watch = IndexOps(q.numel() // 2)
     with tuning(LOADS[load]), watch:
         out = solattn.video_sparse_attn(q, k, v, grid, topk=k_vid, gate=gate, backend="triton",
@@ -136,7 +136,7 @@ def test_len_codes_carry_each_listed_block_with_its_dead_rows():
     plan = route.plan(problem, fused=True)
     ops = tb.kernel_operands(problem, plan)
     codes = torch.full_like(ops.kv_idx, -1)
-    runtime.compiled(True, kernel.len_codes)[(ops.kv_num.numel(),)](
+    jit.compiled(True, kernel.len_codes)[(ops.kv_num.numel(),)](
         ops.kv_num, ops.kv_idx, ops.block_len, codes, codes.shape[-1], W=4, BLOCK=64)
     listed = torch.arange(codes.shape[-1]) < ops.kv_num[..., None]
     idx = ops.kv_idx.long()
@@ -265,8 +265,8 @@ def test_tiled_copies_are_the_tiled_layout_in_as_few_launches_as_dtypes_and_stri
     gate32 = torch.rand(2, T_in, 3, 16, generator=g)
     view = torch.randn(2, 3, T_in, 16, generator=g).to(torch.bfloat16).transpose(1, 2)
     launched = []
-    real = runtime.compiled
-    monkeypatch.setattr(runtime, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
+    real = jit.compiled
+    monkeypatch.setattr(jit, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
     q, k, v = torch.randn(2, T_in, 3, 3, 16, generator=g).to(torch.bfloat16).unbind(2)
     row = torch.randn(1, 1, 3, 16, generator=g).to(torch.bfloat16)
     broadcast = [row.expand(2, T_in, 3, 16), row[:, :, :1].expand(2, T_in, 3, 16)]
@@ -314,8 +314,8 @@ def test_tiled_copies_of_gpu_tensors_under_the_interpreter(monkeypatch):
     other = torch.randn(2, T_in, 3, 2, 16, device="cuda").to(torch.bfloat16)[:, :, 0]
     xs = list(qkv.unbind(2)) + [other]
     launched = []
-    real = runtime.compiled
-    monkeypatch.setattr(runtime, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
+    real = jit.compiled
+    monkeypatch.setattr(jit, "compiled", lambda interpret, fn: launched.append(fn.fn.__name__) or real(interpret, fn))
     got = tb.tiled_copies(xs, lay.gather, lay.block_len, T)
     assert launched == ["tile_rows"] * 2
     for copy, x in zip(got, xs):

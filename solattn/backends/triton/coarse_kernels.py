@@ -1,10 +1,11 @@
 """The coarse branch's gradient at block granularity in two Triton kernels (the ``triton``
 backend's backward); importing this module imports Triton.
 
-The same quantities as :func:`.coarse_grad.coarse_block_grads` followed by
-:func:`.coarse_grad.per_rows` (the definitions are in :mod:`.coarse_grad`), computed the way a
-flash-attention backward computes a softmax's gradient, with blocks in place of tokens: the
-``(n, n)`` weights are recomputed from the block means inside each kernel, never stored.
+The same quantities as :func:`solattn.routing.coarse_grad.coarse_block_grads` followed by
+:func:`solattn.routing.coarse_grad.per_rows` (the definitions are in
+:mod:`solattn.routing.coarse_grad`), computed the way a flash-attention backward computes a
+softmax's gradient, with blocks in place of tokens: the ``(n, n)`` weights are recomputed from
+the block means inside each kernel, never stored.
 
 1. :func:`coarse_rows_kernel`, one program per (tile of query blocks, batch * head), walks the
    key blocks in chunks with an online softmax and gives each row its base-2 log-sum-exp, its
@@ -29,10 +30,10 @@ from typing import Optional, Tuple
 import torch
 import triton.language as tl
 
-from ..kernels import interpret_on
-from ..kernels.runtime import compiled, gpu_jit
-from .fused import dot_precision
-from .fused_kernels import mean_rows
+from ...routing.fused import dot_precision
+from ...routing.fused_kernels import mean_rows
+from ...triton_runtime import interpret_on
+from ...triton_runtime.jit import compiled, gpu_jit
 
 #: query blocks per program of the row kernel and key blocks per program of the column kernel
 #: (``TILE``), blocks per chunk of the loop over the other side (``CHUNK``), warps: at D = 128 a
@@ -55,8 +56,9 @@ MAX_BLOCKS = 256
 def coarse_kernels_usable(means: torch.Tensor) -> bool:
     """Whether :func:`fused_coarse_row_grads` takes block means ``means`` (``(3, G, n, D)``): fp32
     with a power-of-two D in 16..256 (``tl.dot``'s operands), on a device the ``triton`` backend
-    launches on (CUDA, XPU) or in the interpreter (:func:`solattn.kernels.interpret_on`: the CPU);
-    elsewhere the torch path (:func:`.coarse_grad.coarse_block_grads`) computes the same."""
+    launches on (CUDA, XPU) or in the interpreter (:func:`solattn.triton_runtime.interpret_on`:
+    the CPU); elsewhere the torch path (:func:`solattn.routing.coarse_grad.coarse_block_grads`)
+    computes the same."""
     D = means.shape[-1]
     return (means.dtype == torch.float32 and 16 <= D <= 256 and D & (D - 1) == 0
             and (means.device.type in ("cuda", "xpu") or interpret_on(means.device)))
@@ -72,14 +74,14 @@ def fused_coarse_row_grads(means: torch.Tensor, dcoarse: torch.Tensor, L: torch.
                            num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The coarse branch's share of a live row's ``(dq, dk, dv)`` in each block: three fp32
     contiguous ``(G, n, D)`` tensors (views of one buffer), ``dqm_i / L_i``, ``dkm_j / L_j``,
-    ``dvm_j / L_j`` as :func:`.coarse_grad.coarse_block_grads` and :func:`.coarse_grad.per_rows`
-    define them.
+    ``dvm_j / L_j`` as :func:`solattn.routing.coarse_grad.coarse_block_grads` and
+    :func:`solattn.routing.coarse_grad.per_rows` define them.
 
     ``means``: fp32 contiguous ``(3, G, n, D)``, the block means of q, k, v; ``dcoarse``: fp32
     contiguous ``(G, n, D)``, the coarse term's gradient; ``L``: ``(n,)`` integer live lengths;
     ``scale``: the logit scale. ``tile``, ``chunk``, ``num_warps``: launch overrides (default
     :data:`TILE`, :data:`CHUNK`, :data:`WARPS`; tile and chunk powers of two >= 16). Launched on
-    the current device; the products at :func:`.fused.dot_precision`. See
+    the current device; the products at :func:`solattn.routing.fused.dot_precision`. See
     :func:`coarse_kernels_usable` for what the kernels take."""
     three, G, n, D = means.shape
     if three != 3 or dcoarse.shape != (G, n, D) or L.shape != (n,):

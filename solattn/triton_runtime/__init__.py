@@ -1,7 +1,7 @@
 """The Triton runtime shared by the fused routing plan (``solattn.routing.fused``) and the
 ``triton`` backend: the layer below both, so that neither imports from the other.
 
-Importing this package never imports Triton; :mod:`.runtime` does (``gpu_jit``, ``compiled``).
+Importing this package never imports Triton; :mod:`.jit` does (``gpu_jit``, ``compiled``).
 """
 
 from __future__ import annotations
