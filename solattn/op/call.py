@@ -17,6 +17,7 @@ import torch
 
 from ..routing import Plan
 from ..tiling import tiled_rows
+from ..validation import Problem, validate
 
 Tensor = torch.Tensor
 
@@ -73,6 +74,12 @@ class Call(NamedTuple):
     def wants_grad(self) -> bool:
         """Whether autograd records this call: grad mode on and an input that requires grad."""
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in self.differentiable())
+
+    def problem(self) -> Problem:
+        """The validated problem of this call (:func:`solattn.validation.validate`: what a backend
+        reads), on its tensors as they are."""
+        return validate(self.q, self.k, self.v, self.tau, self.scale, self.sink_blocks, self.sink_q, self.key_bias,
+                        self.topk_ratio, self.tail, self.block_len, self.gate, self.token_aug)
 
     def operands(self) -> tuple:
         """The custom op's flat operands, in :data:`SCHEMA` order (the plan as its tensors)."""

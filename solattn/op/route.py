@@ -21,7 +21,7 @@ from .. import dispatch, tiling
 from ..backends.base import Backend, Declined
 from ..routing import build_plan, build_vsa_plan, plan_with_values
 from ..routing.fused import fused_plan_usable
-from ..validation import BLOCK, Problem, validate
+from ..validation import BLOCK, Problem
 from .call import Call
 from .saved import backward_buffers, fused_plan_allowed, run_for_backward
 
@@ -85,8 +85,7 @@ class Route:
 
     def problem(self, call: Call) -> Problem:
         """The validated problem of ``call``, whose tensors are in the backend's layout."""
-        return validate(call.q, call.k, call.v, call.tau, call.scale, call.sink_blocks, call.sink_q, call.key_bias,
-                        call.topk_ratio, call.tail, call.block_len, call.gate, call.token_aug)
+        return call.problem()
 
     def requested(self, requested: Optional[str]) -> Optional[str]:
         """The backend asked for by name (checked that it can serve this route), or None."""
