@@ -1,6 +1,7 @@
 """Run solattn's benchmarks and keep the latest result of each as ``results/<device>/<name>.md``.
 
     python benchmarks/run.py forward peers backward plan vsa      # a GPU: what the list says
+    python benchmarks/run.py plan_reuse                           # a GPU: a caller's plan against routing
     python benchmarks/run.py forward                              # a CPU: the forward table
     python benchmarks/run.py distributed --nproc 2                # torchrun on 2 GPUs
     python benchmarks/run.py flex sdpa                            # a CPU: flex and the sdpa backend's call shapes
@@ -53,6 +54,9 @@ BENCHMARKS: Dict[str, Tuple[str, List[str], str]] = {
     "host": ("host time of one eager call (triton backend): video_sparse_attn and sol_attn, forward and "
              "forward + backward, with result digests",
              [sys.executable, os.path.join(HERE, "bench_host.py"), "--out", "{out}"], "bench_host.md"),
+    "plan_reuse": ("route once, run many: sol_attn with a caller's plan against the same call routing itself "
+                   "and dense SDPA (a GPU: triton at H3; add -- --small on a CPU)",
+                   [sys.executable, os.path.join(HERE, "bench_plan_reuse.py"), "--out", "{out}"], "bench_plan_reuse.md"),
     "coarse": ("the triton backward's coarse-branch block gradients: two Triton kernels against the torch "
                "products, GPU and host time, error against float64",
                [sys.executable, os.path.join(HERE, "bench_coarse_grad.py"), "--out", "{out}"], "bench_coarse_grad.md"),
