@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..graphs import GraphCache, cuda_graphs
-from ..op.attn import plan_for, sol_attn
+from ..op import sol_attn
+from ..op.route import plan_for
 from ..routing import build_plan
 from ..routing.fused import fused_plan_usable
 from ..testing import block_structured_qkv, rel_l2

@@ -14,7 +14,7 @@ import torch
 
 from .. import dispatch
 from ..routing import Plan, build_plan, check_plan
-from ..validation import Problem, validate
+from ..validation import validate
 from .call import Call
 from .custom import call_op
 
@@ -27,20 +27,6 @@ def _as_list(rng) -> Optional[List[int]]:
     if isinstance(rng, torch.Tensor):
         rng = rng.tolist()
     return [int(x) for x in rng]
-
-
-def plan_for(chosen, problem: Problem, fused: bool = True):
-    """The routing plan ``chosen`` runs ``problem`` from (None for backends without one); the
-    fused plan where the backend accepts it, it applies and ``fused`` allows it."""
-    if not chosen.uses_plan:
-        return None
-    return build_plan(problem, fused=fused and getattr(chosen, "fused_plan", False))
-
-
-def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
-    """Dispatch and run a validated problem (no custom op, autograd as the backend allows)."""
-    chosen = dispatch.choose(problem, backend)
-    return chosen.forward(problem, plan_for(chosen, problem))
 
 
 def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[float] = None,
@@ -77,12 +63,12 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, tau: float = 1.0, scale: Optional[
     Returns:
         ``(B, T, H, D)`` contiguous tensor in v's dtype.
     """
-    problem = validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
-                       coarse_gate, token_aug)
+    validate(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate, token_aug)
     if backend is not None:
         dispatch.get_backend(backend)
-    if plan is not None:
-        plan = check_plan("sol_attn", plan, problem.B, problem.H, problem.T, problem.device)
+    if plan is not None:                  # q's shape, not the problem's cached properties (Dynamo traces this)
+        B, T, H, _ = q.shape
+        plan = check_plan("sol_attn", plan, B, H, T, q.device)
     return call_op("sol_attn", Call(q, k, v, key_bias=key_bias, block_len=block_len, gate=coarse_gate,
                                     tau=float(tau), scale=None if scale is None else float(scale),
                                     sink_blocks=_as_list(sink_blocks), sink_q=_as_list(sink_q),

@@ -36,13 +36,13 @@ def grads(call: Call, out: Tensor, lse: Tensor, resid: Tensor, fused: Tensor, gr
     if own is None:
         def recompute(leaves, name):
             qd, kd, vd, gd, bd = leaves
-            return run(route, call._replace(q=qd, k=kd, v=vd, gate=gd, key_bias=key_bias if bd is None else bd,
-                                            backend=name or ""))[0]
+            return run(route, call._replace(q=qd, k=kd, v=vd, gate=gate if gd is None else gd,
+                                            key_bias=key_bias if bd is None else bd, backend=name or ""))[0]
 
-        gq, gk, gv, gg, gb = recompute_grads(recompute, (call.q, call.k, call.v, gate, key_bias if bias_grad else None),
-                                             grad_out, call.backend or None, required={4: "key_bias"},
-                                             settings=settings)
-        return gq, gk, gv, gg if gate_grad else None, gb
+        leaves = (call.q, call.k, call.v, gate if gate_grad else None, key_bias if bias_grad else None)
+        gq, gk, gv, gg, gb = recompute_grads(recompute, leaves, grad_out, call.backend or None,
+                                             required={4: "key_bias"}, settings=settings)
+        return gq, gk, gv, gg, gb
 
     # The own backward's inner loops read tiled copies for VSA even where the forward read the row
     # table: on an H200 (B=1 H=56 D=128 bf16, gated, 16x48x48) forward + backward took 48.9 ms so
@@ -51,8 +51,9 @@ def grads(call: Call, out: Tensor, lse: Tensor, resid: Tensor, fused: Tensor, gr
     # once (one launch where the backend makes them); a backend that reads a row table reads the
     # output and writes the gradients in the caller's order itself (no gather: ~0.3 ms a tensor at
     # 16x48x48).
-    tq, tk, tv, tdo, tg = route.tiled_all((call.q, call.k, call.v, grad_out, route.gate_copied(gate)), own)
-    tg = route.gate(gate) if tg is None else tg
+    copy_gate = route.gate_needs_copy(gate)
+    tq, tk, tv, tdo, tg = route.tiled_all((call.q, call.k, call.v, grad_out, gate if copy_gate else None), own)
+    tg = tg if copy_gate else route.gate(gate)
     rows = route.output_rows() if own.row_table else None
     # the output to the backend's rows and its gradients back: done by the backend itself with rows
     to_rows, from_rows = (route.tiled, route.untiled) if rows is None else (_as_is, _as_is)

@@ -59,7 +59,7 @@ class Call(NamedTuple):
     plan: Optional[Plan] = None
 
     @property
-    def rows(self) -> int:
+    def layout_rows(self) -> int:
         """Rows of the layout the backend runs on: q's tokens, or VSA's tiled rows."""
         return self.q.shape[1] if self.grid is None else tiled_rows(self.grid, self.segments)
 
@@ -88,12 +88,13 @@ class Call(NamedTuple):
 
     @classmethod
     def from_operands(cls, operands: Sequence) -> "Call":
-        """Inverse of :meth:`operands`; the plan's tensors come back detached (a constant)."""
+        """Inverse of :meth:`operands` (its first ``len(SCHEMA)`` items: a backward op's operands
+        go on); a plan comes back on detached tensors (a constant of the call)."""
         call = cls._make((*operands[:_PLAN_AT], None))
-        given = operands[_PLAN_AT:]
+        given = operands[_PLAN_AT:len(SCHEMA)]
         if given[0] is None:
             return call
-        return call._replace(plan=Plan.from_tensors([t.detach() for t in given], call.rows))
+        return call._replace(plan=Plan.from_tensors([t.detach() for t in given], call.layout_rows))
 
     def static(self) -> tuple:
         """Every field but the tensors, hashable (lists as tuples): with the tensors, what a

@@ -28,16 +28,17 @@ Tensor = torch.Tensor
 def call_op(fn: str, call: Call) -> Tensor:
     """Run ``call`` for the front door ``fn``: the plain eager fast path (with the op's autograd
     when autograd records the call) or the custom op."""
-    call = call._replace(want_lse=call.wants_grad())
+    if call.wants_grad():
+        call = call._replace(want_lse=True)
     if plain_eager(*call.inputs()):
         if call.want_lse:
-            return _EagerAutograd.apply(*call.operands())[0]
+            return _EagerAutograd.apply(call, *call.operands())[0]
         # through the cuda_graphs() cache when one is active: the fused plan (CUDA, triton) has no
         # host syncs, other plans stay eager. The computation validates again (about 6 us on the
         # CPU): under cuda_graphs() it is what a graph captures, and validation makes new tensors
         # (a bool key_bias becomes a float one) that must be made inside the capture
-        return eager_call(lambda: forward_output(call), (*call.graph_tensors(), *route_of(call).tables()),
-                          (fn, *call.static()))
+        return eager_call(lambda: forward_output(call), call.q.device,
+                          lambda: ((*call.graph_tensors(), *route_of(call).tables()), (fn, *call.static())))
     check_transforms(fn, call.differentiable())
     return sol_attn_op(*call.operands())[0]
 
@@ -54,14 +55,20 @@ def _(*operands):
     call = Call.from_operands(operands)
     q, v = call.q, call.v
     return (torch.empty(q.shape, dtype=v.dtype, device=v.device),
-            *backward_buffers(q, v, call.want_lse, None if call.grid is None else call.rows), fake_fused())
+            *backward_buffers(q, v, call.want_lse, None if call.grid is None else call.layout_rows), fake_fused())
 
 
 def setup_context(ctx, inputs, output):
+    _keep(ctx, Call.from_operands(inputs), output)
+
+
+def _keep(ctx, call: Call, output, first: int = 0):
+    """What the backward of ``call`` needs, on ``ctx``; ``first``: the position of the call's first
+    operand among the inputs autograd saw."""
+    ctx.first = first
     out, lse, resid, fused = output
     ctx.mark_non_differentiable(lse, resid, fused)
     ctx.set_materialize_grads(False)     # no zero gradients for them: resid is as large as q
-    call = Call.from_operands(inputs)
     ctx.save_for_backward(*call.inputs(), out, lse, resid, fused, *_plan_tensors(call))
     ctx.call = call._replace(q=None, k=None, v=None, key_bias=None, block_len=None, gate=None, plan=None)
     ctx.plan_given = call.plan is not None
@@ -112,9 +119,9 @@ def op_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
     if ctx.plan_given:
         call = Call.from_operands((*call[:-1], *given))
     # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
-    bias_grad = bool(ctx.needs_input_grad[POSITION["key_bias"]] and key_bias is not None
-                     and key_bias.is_floating_point())
-    gate_grad = bool(ctx.needs_input_grad[POSITION["gate"]] and gate is not None)
+    asked = ctx.needs_input_grad[ctx.first:]
+    bias_grad = bool(asked[POSITION["key_bias"]] and key_bias is not None and key_bias.is_floating_point())
+    gate_grad = bool(asked[POSITION["gate"]] and gate is not None)
     if traced(grad_out):     # the branch on the forward's ``fused`` flag reads data: one opaque op
         gq, gk, gv, gg, gb = backward.grads_from_outputs(sol_attn_backward_op(
             *call.operands(), out, lse, resid, fused, grad_out, bias_grad, gate_grad))
@@ -135,11 +142,12 @@ class _EagerAutograd(torch.autograd.Function):
     the forward's own Python); tracing, transforms and dispatch modes keep the op."""
 
     @staticmethod
-    def forward(ctx, *operands):
-        outputs = forward(Call.from_operands(operands))
-        setup_context(ctx, operands, outputs)
+    def forward(ctx, call, *operands):
+        """``call`` and its :meth:`~Call.operands` (autograd sees the tensors among these)."""
+        outputs = forward(call)
+        _keep(ctx, call, outputs, first=1)
         return outputs
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, grad_resid, grad_fused):
-        return op_backward(ctx, grad_out, grad_lse, grad_resid, grad_fused)
+        return (None, *op_backward(ctx, grad_out, grad_lse, grad_resid, grad_fused))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,15 +33,18 @@ def plain_eager(*tensors: Optional[Tensor]) -> bool:
     return all(t is None or (type(t) is torch.Tensor and t.device.type != "meta") for t in tensors)
 
 
-def eager_call(fn: Callable[[], Tensor], tensors: Sequence[Optional[Tensor]], extra: tuple) -> Tensor:
+def eager_call(fn: Callable[[], Tensor], device: torch.device,
+               key: Callable[[], Tuple[Sequence[Optional[Tensor]], tuple]]) -> Tensor:
     """Run a plain eager call ``fn``: through the active :func:`solattn.graphs.cuda_graphs` cache
-    when there is one and the inputs are on a CUDA device, else directly. ``tensors``: every tensor
-    ``fn`` reads; ``extra``: every other argument (lists as tuples). The key also holds the
-    settings a call's work depends on (the backend choice's, the memory budgets); module-level
-    tunables (e.g. the triton launcher's defaults) are not in it: change them outside the block."""
+    when there is one and ``device`` (the inputs') is a CUDA device, else directly. ``key()``
+    (asked only then): every tensor ``fn`` reads, and every other argument (lists as tuples). The
+    cache's key also holds the settings a call's work depends on (the backend choice's, the memory
+    budgets); module-level tunables (e.g. the triton launcher's defaults) are not in it: change
+    them outside the block."""
     cache = graphs.active_cache()
-    if cache is None or tensors[0].device.type != "cuda":
+    if cache is None or device.type != "cuda":
         return fn()
+    tensors, extra = key()
     extra = tuple(tuple(x) if isinstance(x, list) else x for x in extra)
     settings = (*dispatch.choice_key(), *(current_budget(name) for name in sorted(BUDGETS)))
     return cache.run(fn, tensors, extra + settings)

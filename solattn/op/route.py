@@ -32,7 +32,10 @@ class Route:
     """``sol_attn``'s route: the caller's token layout and Sol-Attn's selection, or the caller's
     (``call.plan``, checked by the front door), which the route then holds (a constant: only
     backends that consume plans) while the call computes its tail, coarse and centring terms from
-    its own tensors (gradients flow through them)."""
+    its own tensors (gradients flow through them). The route is made from a call and keeps its
+    layout, selection and plan; :meth:`prepare`, :meth:`problem` and :func:`run` take the call's
+    tensors and backend from the call they are given, the route's own or the same with other
+    tensors (the backward's leaves) or backend."""
 
     def __init__(self, call: Call):
         self.call = call
@@ -65,10 +68,10 @@ class Route:
         """The coarse gate in the backend's layout."""
         return gate
 
-    def gate_copied(self, gate: Optional[Tensor]) -> Optional[Tensor]:
-        """``gate`` when its layout for the backend is a copy (made with others by
-        :meth:`tiled_all`), else None (:meth:`gate` gives it)."""
-        return None
+    def gate_needs_copy(self, gate: Optional[Tensor]) -> bool:
+        """Whether the gate's layout for the backend is a copy (which :meth:`tiled_all` may make
+        with others), not :meth:`gate`'s view."""
+        return False
 
     def prepare(self, call: Call, requested: Optional[str], want_lse: bool) -> Tuple[Problem, Backend]:
         """``(problem, backend)``: the problem of ``call`` (this route's call, or the same with
@@ -143,10 +146,12 @@ class VideoRoute(Route):
     def gate(self, gate):
         """A gate that is one value for every token (stride 0 on the token dim: a constant gate)
         stays a view in the tiled rows; another is tiled."""
-        return self.tiled(gate) if self.gate_copied(gate) is not None else tiling.tiled_view(gate, self.rows())
+        return self.tiled(gate) if self.gate_needs_copy(gate) else tiling.tiled_view(gate, self.rows())
 
-    def gate_copied(self, gate):
-        return gate if gate is not None and gate.stride(1) != 0 else None
+    def gate_needs_copy(self, gate):
+        """A copy, unless the gate is one value for every token and no gradient is asked of it
+        per token (a view of its first row would carry every token's share to that row)."""
+        return gate is not None and (gate.stride(1) != 0 or gate.requires_grad)
 
     def problem(self, call: Call) -> Problem:
         """Marked ``dead_rows_zero``: :func:`solattn.tiling.to_tiled` wrote zeros into the dead
@@ -215,6 +220,20 @@ def plan_backend(requested: Optional[str]) -> Optional[Backend]:
             f"routing plan, so it would apply sol_attn's own selection instead of VSA's. "
             f"Backends that consume plans: {', '.join(usable) or 'none registered'}")
     return backend
+
+
+def plan_for(chosen, problem: Problem, fused: bool = True):
+    """The routing plan ``chosen`` runs ``problem`` from (None for backends without one); the
+    fused plan where the backend accepts it, it applies and ``fused`` allows it."""
+    if not chosen.uses_plan:
+        return None
+    return build_plan(problem, fused=fused and getattr(chosen, "fused_plan", False))
+
+
+def run_problem(problem: Problem, backend: Optional[str] = None) -> Tensor:
+    """Dispatch and run a validated problem (no custom op, autograd as the backend allows)."""
+    chosen = dispatch.choose(problem, backend)
+    return chosen.forward(problem, plan_for(chosen, problem))
 
 
 def route_of(call: Call) -> Route:

@@ -552,7 +552,8 @@ def test_video_sparse_attn_goes_through_the_active_cache_keyed_by_every_argument
 
     cache, sightings = FakeCache(capture_after=2), []
 
-    def through_cache(fn, tensors, extra):
+    def through_cache(fn, device, key):
+        tensors, extra = key()
         sightings.append(len(tensors))
         return cache.run(fn, tensors, tuple(tuple(x) if isinstance(x, list) else x for x in extra))
 

@@ -262,3 +262,43 @@ def test_cuda_graph_replays_of_a_reused_plan_compute_each_calls_own_terms():
     for got, v_then, gate_then in outs:
         want = held_selection(q.cpu(), k.cpu(), v_then.cpu(), mask, gate=gate_then.cpu())
         assert rel_l2(got.cpu().double(), want) < 1e-2
+
+
+@pytest.mark.parametrize("how", ["aot_function", "compile"])
+def test_a_traced_backward_with_a_given_plan_gives_the_eager_gradients(how):
+    """A caller's plan under tracing: AOTAutograd traces the backward as the backward op, whose
+    operands are the call's and the forward's outputs; its gradients are the eager ones."""
+    from functorch.compile import aot_function, nop
+
+    q, k, v = make_qkv(1, 200, 2, 16, seed=4)
+    kw = dict(topk_ratio=0.5, tail=True, backend="sdpa")
+    p = solattn.plan(q, k, v, **kw)
+
+    def loss(q, k, v, *selection):       # AOTAutograd takes the plan's tensors as inputs
+        given = routing.Plan.from_tensors(selection, q.shape[1]) if selection else p
+        return solattn.sol_attn(q, k, v, **kw, plan=given).square().sum()
+
+    traced = aot_function(loss, nop, nop) if how == "aot_function" else \
+        torch.compile(loss, backend="aot_eager", fullgraph=True)
+    grads = {}
+    for name, fn in (("eager", loss), ("traced", traced)):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        fn(*leaves, *(p.tensors() if how == "aot_function" and name == "traced" else ())).backward()
+        grads[name] = [x.grad for x in leaves]
+    for got, want in zip(grads["traced"], grads["eager"]):
+        assert got is not None and rel_l2(got, want) < 1e-6
+
+
+def test_a_gate_with_stride_0_that_requires_grad_gets_per_token_gradients():
+    """A tensor gate of q's shape made by ``expand`` (stride 0 on the tokens) that requires grad:
+    its gradient per element is that of the same values as a dense tensor (a constant gate's view
+    in the tiled rows would put every token's share on token 0)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 64 + 128, 1, 16, generator=g) for _ in range(3))
+    grads = []
+    for gate in (torch.tensor(0.5).expand(q.shape), torch.full(q.shape, 0.5)):
+        gate = gate.detach().requires_grad_(True) if gate.stride(1) else gate.requires_grad_(True)
+        out = solattn.video_sparse_attn(q, k, v, (1, 8, 16), topk=1, gate=gate, prefix_len=64, backend="sdpa")
+        grads.append(torch.autograd.grad(out.square().sum(), gate)[0])
+    assert grads[1].abs().amin() > 0
+    torch.testing.assert_close(grads[0], grads[1])

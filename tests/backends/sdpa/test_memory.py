@@ -145,7 +145,7 @@ def test_portable_backward_keeps_no_gathered_keys(tail):
     (each chunk is recomputed there): not the gathered keys and values of every chunk, which
     add up to the kept fraction of a T x T x D tensor (about 7x and 13x the inputs here before)."""
     import torch
-    from solattn.op.attn import run_problem
+    from solattn.op.route import run_problem
     from solattn.testing import make_qkv, rel_l2
     from solattn.validation import validate
 
