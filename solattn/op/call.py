@@ -105,6 +105,15 @@ class Call(NamedTuple):
         """Every tensor of the call: the inputs and the plan's."""
         return (*self.inputs(), *(() if self.plan is None else self.plan.tensors()))
 
+    def apart(self) -> Tuple[Tuple[Optional[Tensor], ...], "Call"]:
+        """``(tensors, rest)``: :meth:`graph_tensors` and the call without them, to be kept apart
+        (autograd saves tensors on its own); :meth:`joined` puts them back."""
+        return self.graph_tensors(), self._make((None,) * _TENSORS + self[_TENSORS:-1] + (None,))
+
+    def joined(self, tensors: Sequence[Optional[Tensor]]) -> "Call":
+        """Inverse of :meth:`apart` (``self``: its ``rest``); the plan on detached tensors."""
+        return self.from_operands((*tensors[:_TENSORS], *self[_TENSORS:-1], *(tensors[_TENSORS:] or _NO_PLAN)))
+
 
 #: the custom op's operands: each field's name and schema type, the plan as its tensors
 SCHEMA: Tuple[Tuple[str, str], ...] = (

@@ -69,15 +69,10 @@ def _keep(ctx, call: Call, output, first: int = 0):
     out, lse, resid, fused = output
     ctx.mark_non_differentiable(lse, resid, fused)
     ctx.set_materialize_grads(False)     # no zero gradients for them: resid is as large as q
-    ctx.save_for_backward(*call.inputs(), out, lse, resid, fused, *_plan_tensors(call))
-    ctx.call = call._replace(q=None, k=None, v=None, key_bias=None, block_len=None, gate=None, plan=None)
-    ctx.plan_given = call.plan is not None
+    tensors, ctx.call = call.apart()
+    ctx.save_for_backward(out, lse, resid, fused, *tensors)
     ctx.settings = forward_settings()
     ctx.plan = PLANS.take(fused)
-
-
-def _plan_tensors(call: Call):
-    return () if call.plan is None else call.plan.tensors()
 
 
 #: the backward op's operands after the call's
@@ -114,10 +109,9 @@ def _(*operands):
 def op_backward(ctx, grad_out, _grad_lse, _grad_resid, _grad_fused):
     if grad_out is None:     # no gradient defined for the output (materialize_grads is off): none for the inputs
         return operand_grads()
-    q, k, v, key_bias, block_len, gate, out, lse, resid, fused, *given = ctx.saved_tensors
-    call = ctx.call._replace(q=q, k=k, v=v, key_bias=key_bias, block_len=block_len, gate=gate)
-    if ctx.plan_given:
-        call = Call.from_operands((*call[:-1], *given))
+    out, lse, resid, fused, *tensors = ctx.saved_tensors
+    call = ctx.call.joined(tensors)
+    key_bias, gate = call.key_bias, call.gate
     # a float key_bias is differentiated when autograd asks for it (a bool one has no gradient)
     asked = ctx.needs_input_grad[ctx.first:]
     bias_grad = bool(asked[POSITION["key_bias"]] and key_bias is not None and key_bias.is_floating_point())
